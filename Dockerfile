@@ -1,0 +1,26 @@
+# GPU image for the template. Build and run:
+#   docker build -t fashion-resnet .
+#   docker run --gpus all --shm-size=8g -v "$PWD/data:/app/data" -v "$PWD/lightning_logs:/app/lightning_logs" \
+#       fashion-resnet fit --trainer.strategy=ddp --trainer.devices=4
+# The base image already has a CUDA build of torch and torchvision; pip keeps them when they satisfy setup.cfg.
+FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+COPY setup.cfg pyproject.toml README.md ./
+COPY app ./app
+COPY cli.py ./
+COPY configs ./configs
+# The same requirement set CI installs (setup.cfg), with the MPI extra for the horovod strategy's mpirun.
+RUN python -m pip install ".[mpi,tensorboard]"
+
+RUN useradd --create-home --uid 1000 trainer && mkdir -p /app/data /app/lightning_logs \
+    && chown -R trainer:trainer /app
+USER trainer
+VOLUME ["/app/data", "/app/lightning_logs"]
+
+ENTRYPOINT ["python", "cli.py"]
+CMD ["fit", "--config", "configs/quickstart.yaml"]

@@ -1,0 +1,40 @@
+# Two commands do everything on a fresh machine with Python >= 3.10:
+#   make train   creates .venv, installs the project, trains with $(CONFIG)
+#   make test    creates .venv, installs the project with its dev extras, runs the whole suite
+PYTHON ?= python3
+VENV ?= .venv
+CONFIG ?= configs/quickstart.yaml
+ARGS ?=
+BIN := $(VENV)/bin
+
+.PHONY: train test lint format clean
+
+$(BIN)/python:
+	$(PYTHON) -c 'import sys; sys.exit("Python >= 3.10 is required, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
+	$(BIN)/python -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(BIN)/python setup.cfg pyproject.toml
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@ $(VENV)/.installed
+
+train: $(VENV)/.installed
+	$(BIN)/python cli.py fit --config $(CONFIG) $(ARGS)
+
+test: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest $(ARGS)
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check app tests cli.py
+	$(BIN)/ruff format --check app tests cli.py
+
+format: $(VENV)/.installed-dev
+	$(BIN)/ruff check --fix app tests cli.py
+	$(BIN)/ruff format app tests cli.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,3 @@
+"""ResNet / Fashion-MNIST training template on PyTorch Lightning, with dp, ddp, ddp_spawn and horovod strategies."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,28 @@
+"""Batched image transforms that run on the training device: no per-sample Python, no PIL."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def random_crop_flip(images: torch.Tensor, padding: int = 4, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random crop after zero padding, then random horizontal flip, independently per image.
+
+    ``images`` is ``[B, C, H, W]``; the result has the same shape. One gather for the crops, one ``where``
+    for the flips: the cost does not grow with Python work per sample.
+    """
+    b, _, h, w = images.shape
+    padded = F.pad(images, (padding, padding, padding, padding))
+    offsets = torch.randint(0, 2 * padding + 1, (2, b), device=images.device, generator=generator)
+    rows = (offsets[0, :, None] + torch.arange(h, device=images.device))[:, None, :, None]  # [B, 1, H, 1]
+    cols = (offsets[1, :, None] + torch.arange(w, device=images.device))[:, None, None, :]  # [B, 1, 1, W]
+    batch = torch.arange(b, device=images.device)[:, None, None, None]
+    channel = torch.arange(images.shape[1], device=images.device)[None, :, None, None]
+    cropped = padded[batch, channel, rows, cols]
+    flip = torch.rand(b, device=images.device, generator=generator) < 0.5
+    return torch.where(flip[:, None, None, None], cropped.flip(-1), cropped)
+
+
+def normalize(images: torch.Tensor, mean: float, std: float) -> torch.Tensor:
+    return (images - mean) / std

@@ -1,0 +1,90 @@
+"""The command line: a thin LightningCLI with the template's defaults, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import sys
+
+from lightning.pytorch.cli import LightningCLI
+
+import app  # noqa: F401  (registers the dp and horovod strategies)
+from app.data import FashionMNISTDataModule
+from app.errors import UserError
+from app.model import DEFAULT_SGD, ImageClassifier
+
+DEFAULT_CALLBACKS = [
+    {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
+    {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
+    {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"},
+    {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {
+            "monitor": "val/acc",
+            "mode": "max",
+            "save_last": True,
+            "filename": "epoch={epoch}-val_acc={val/acc:.4f}",
+            "auto_insert_metric_name": False,
+        },
+    },
+    {"class_path": "app.callbacks.EpochSummary"},
+]
+
+
+def default_loggers() -> list[dict]:
+    """CSV always (metrics.csv); TensorBoard too when it is installed. Both write to lightning_logs/version_N."""
+    loggers = [
+        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": ".", "name": "lightning_logs"}}
+    ]
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return loggers
+    tb = {"save_dir": ".", "name": "lightning_logs", "default_hp_metric": False}
+    return loggers + [{"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": tb}]
+
+
+class CLI(LightningCLI):
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.set_defaults(
+            {
+                "model.optimizer": {"class_path": "torch.optim.SGD", "init_args": dict(DEFAULT_SGD)},
+                "trainer.max_epochs": 10,
+                "trainer.callbacks": DEFAULT_CALLBACKS,
+                "trainer.logger": default_loggers(),
+            }
+        )
+
+    def before_instantiate_classes(self) -> None:
+        # --trainer.enable_progress_bar=false / enable_model_summary=false also drop our default rich callbacks
+        # (Lightning refuses a progress bar or summary callback when they are disabled).
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        disabled = {
+            "RichProgressBar": config.trainer.enable_progress_bar,
+            "RichModelSummary": config.trainer.enable_model_summary,
+        }
+        callbacks = config.trainer.callbacks or []
+        config.trainer.callbacks = [
+            c for c in callbacks if disabled.get(str(getattr(c, "class_path", "")).rsplit(".", 1)[-1]) is not False
+        ]
+
+    def instantiate_trainer(self, **kwargs):
+        trainer = super().instantiate_trainer(**kwargs)
+        # Loggers pick "the next free version_N" each on its own, and whichever asks second sees the folder the
+        # first one made. Give every logger that shares the first one's folder the first one's version.
+        first, *others = trainer.loggers or [None]
+        for logger in others:
+            if getattr(logger, "root_dir", None) == getattr(first, "root_dir", None) and logger._version is None:
+                logger._version = first.version
+        return trainer
+
+
+def main(args: list[str] | None = None) -> CLI | None:
+    try:
+        return CLI(
+            ImageClassifier,
+            FashionMNISTDataModule,
+            seed_everything_default=42,
+            args=args,
+        )
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

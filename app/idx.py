@@ -1,0 +1,88 @@
+"""Read and write the IDX file format of (Fashion-)MNIST, with validation that names the file.
+
+An IDX file is a 4-byte magic number ``0x00 0x00 <dtype> <ndim>``, then ``ndim`` big-endian uint32 sizes, then
+the data in C order. Fashion-MNIST uses dtype 0x08 (unsigned byte): images are ``(N, 28, 28)`` (magic 0x803),
+labels ``(N,)`` (magic 0x801). Files may be gzip-compressed (``.gz``), as they are distributed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import math
+import os
+import struct
+import tempfile
+from pathlib import Path
+
+import torch
+
+from app.errors import UserError
+
+UBYTE = 0x08
+
+
+class DataFileError(UserError):
+    """A data file is missing, truncated, corrupt or of the wrong shape. The message names the file."""
+
+
+def read_idx(path: str | os.PathLike, ndim: int | None = None) -> torch.Tensor:
+    """Read a uint8 IDX file (plain or ``.gz``) into a tensor, checking magic number, sizes and length."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        data = gzip.decompress(raw) if path.suffix == ".gz" else raw
+    except FileNotFoundError:
+        raise DataFileError(f"{path}: file not found") from None
+    except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError
+        raise DataFileError(f"{path}: cannot decompress ({err}); delete it and download it again") from None
+
+    if len(data) < 4:
+        raise DataFileError(f"{path}: truncated ({len(data)} bytes, no IDX header); delete it and download it again")
+    zero1, zero2, dtype, dims = data[:4]
+    magic = int.from_bytes(data[:4], "big")
+    if zero1 or zero2 or dtype != UBYTE or (ndim is not None and dims != ndim):
+        want = f"0x{UBYTE << 8 | ndim:08x}" if ndim is not None else f"0x{UBYTE << 8:08x} + ndim"
+        raise DataFileError(f"{path}: wrong magic number 0x{magic:08x} (expected {want}: uint8 IDX); not an IDX file")
+    header = 4 + 4 * dims
+    if len(data) < header:
+        raise DataFileError(f"{path}: truncated header; delete it and download it again")
+    shape = struct.unpack(f">{dims}I", data[4:header])
+    expected = header + math.prod(shape)
+    if len(data) != expected:
+        what = "truncated" if len(data) < expected else "has trailing bytes"
+        raise DataFileError(
+            f"{path}: {what}: {len(data)} bytes for shape {tuple(shape)}, expected {expected}; "
+            "delete it and download it again"
+        )
+    return torch.frombuffer(bytearray(data[header:]), dtype=torch.uint8).reshape(shape)
+
+
+def write_idx(path: str | os.PathLike, tensor: torch.Tensor) -> None:
+    """Write a uint8 tensor as an IDX file, atomically (a reader never sees a half-written file)."""
+    path = Path(path)
+    if tensor.dtype != torch.uint8:
+        raise TypeError(f"write_idx needs a uint8 tensor, got {tensor.dtype}")
+    header = bytes([0, 0, UBYTE, tensor.dim()]) + struct.pack(f">{tensor.dim()}I", *tensor.shape)
+    payload = header + tensor.contiguous().numpy().tobytes()
+    if path.suffix == ".gz":
+        payload = gzip.compress(payload, mtime=0)
+    atomic_write_bytes(path, payload)
+
+
+def atomic_write_bytes(path: Path, payload: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def md5sum(path: str | os.PathLike) -> str:
+    return hashlib.md5(Path(path).read_bytes(), usedforsecurity=False).hexdigest()

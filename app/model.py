@@ -1,0 +1,144 @@
+"""The task: classify Fashion-MNIST with a ResNet, as a LightningModule.
+
+The ``*_step`` methods only compute: they return the loss, the predicted classes and the targets of their batch.
+Metrics are updated and values logged in the ``on_*_batch_end`` hooks, which always run on the root module with
+the whole batch's outputs. That keeps the module strategy-agnostic: under ``dp`` the steps run on replicas (one
+chunk each) whose state is thrown away, and the strategy combines their outputs before the hooks see them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
+from torchmetrics import MeanMetric
+from torchmetrics.classification import MulticlassAccuracy
+
+from app.errors import UserError
+from app.networks import Arch, Norm, build_resnet
+
+# d2l trains ResNet-18 with plain SGD at lr 0.1 per 256 images; momentum, Nesterov and weight decay are the
+# usual ImageNet-recipe additions. ``cli.py`` shows these as the ``--model.optimizer`` default.
+DEFAULT_SGD = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
+
+
+class ImageClassifier(LightningModule):
+    def __init__(
+        self,
+        arch: Arch = "resnet18",
+        num_classes: int = 10,
+        norm: Norm = "batch",
+        label_smoothing: float = 0.0,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        lr_scheduler_interval: Literal["epoch", "step"] = "epoch",
+    ) -> None:
+        """
+        Args:
+            arch: torchvision ResNet with d2l's 28x28 stem; ``resnet_tiny`` is a small one for CPU tests.
+            num_classes: Output classes (Fashion-MNIST has 10).
+            norm: ``batch`` (BatchNorm, as d2l) or ``group`` (GroupNorm: no coupling between samples).
+            label_smoothing: Cross-entropy label smoothing in [0, 1).
+            optimizer: Any torch optimizer, e.g. ``--model.optimizer=AdamW --model.optimizer.lr=1e-3``.
+                Default: SGD(lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4).
+            lr_scheduler: Any torch LR scheduler, e.g. ``--model.lr_scheduler=CosineAnnealingLR
+                --model.lr_scheduler.T_max=10``. ReduceLROnPlateau watches ``val/acc``.
+            lr_scheduler_interval: Step the scheduler every ``epoch`` or every optimizer ``step``.
+        """
+        super().__init__()
+        if num_classes < 2:
+            raise UserError(f"--model.num_classes must be >= 2, got {num_classes}")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise UserError(f"--model.label_smoothing must be in [0, 1), got {label_smoothing}")
+        self.save_hyperparameters()
+        # Under LightningCLI the optimizer and scheduler are saved as their config (plain data). Callables passed
+        # from Python are not plain data: keep them out of the checkpoint so it loads with weights_only=True.
+        for name in ("optimizer", "lr_scheduler"):
+            if callable(self.hparams.get(name)):
+                del self.hparams[name]
+        self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
+        self.net = build_resnet(arch, num_classes=num_classes, norm=norm)
+        self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+        self.example_input_array = torch.zeros(2, 1, 28, 28)
+        # One set of metric objects per stage; torchmetrics syncs their state across processes in compute().
+        self.train_acc, self.val_acc, self.test_acc = (
+            MulticlassAccuracy(num_classes, average="micro") for _ in range(3)
+        )
+        self.train_loss, self.val_loss, self.test_loss = MeanMetric(), MeanMetric(), MeanMetric()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    # ---------------------------------------------------------------- steps: compute only
+    def _step(self, batch) -> dict[str, torch.Tensor]:
+        images, target = batch
+        logits = self(images)
+        return {"loss": self.criterion(logits, target), "preds": logits.argmax(dim=1), "target": target}
+
+    def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        return self._step(batch)
+
+    def validation_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        return self._step(batch)
+
+    def test_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
+        return self._step(batch)
+
+    def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
+        images = batch[0] if isinstance(batch, (tuple, list)) else batch
+        probs = self(images).float().softmax(dim=1)
+        return {"preds": probs.argmax(dim=1), "probs": probs}
+
+    # ---------------------------------------------------------------- hooks: metrics and logging, on the root
+    def _update_and_log(self, stage: str, outputs: dict[str, torch.Tensor]) -> None:
+        target, loss = outputs["target"], outputs["loss"].detach()
+        acc, mean_loss = getattr(self, f"{stage}_acc"), getattr(self, f"{stage}_loss")
+        acc.update(outputs["preds"], target)
+        mean_loss.update(loss, weight=target.numel())
+        if stage == "train":
+            self.log("train/loss", loss, on_step=True, on_epoch=False, prog_bar=True, batch_size=target.numel())
+        on_step = stage == "train"
+        self.log(f"{stage}/loss_epoch" if on_step else f"{stage}/loss", mean_loss, on_step=False, on_epoch=True)
+        self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=stage == "val")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        self._update_and_log("train", outputs)
+
+    def on_validation_batch_end(self, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._update_and_log("val", outputs)
+
+    def on_test_batch_end(self, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._update_and_log("test", outputs)
+
+    # ---------------------------------------------------------------- optimisation
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_factory is None:
+            optimizer = torch.optim.SGD(self.parameters(), **DEFAULT_SGD)
+        else:
+            optimizer = self.optimizer_factory(self.parameters())
+        if self.scheduler_factory is None:
+            return optimizer
+        scheduler = self.scheduler_factory(optimizer)
+        config = {"scheduler": scheduler, "interval": self.hparams.lr_scheduler_interval}
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            config["monitor"] = "val/acc"
+        return {"optimizer": optimizer, "lr_scheduler": config}
+
+
+def network_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The plain network's weights from a Lightning checkpoint: keys as ``build_resnet`` names them."""
+    prefix = "net."
+    return {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+
+
+def load_network(ckpt_path: str | Path) -> nn.Module:
+    """Rebuild the network a checkpoint was trained with and load its weights (``weights_only``, strict)."""
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    hp = checkpoint["hyper_parameters"]
+    net = build_resnet(hp["arch"], num_classes=hp["num_classes"], norm=hp.get("norm", "batch"))
+    net.load_state_dict(network_state_dict(checkpoint), strict=True)
+    return net.eval()

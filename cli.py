@@ -1,0 +1,14 @@
+"""Train a ResNet on Fashion-MNIST with the device strategy of your choice.
+
+python cli.py fit --config configs/quickstart.yaml                       # a minute on a laptop CPU
+python cli.py fit --trainer.strategy=ddp --trainer.devices=4               # one process per GPU
+python cli.py fit --trainer.strategy=dp --trainer.devices=4                # one process, DataParallel
+mpirun -np 4 python cli.py fit --trainer.strategy=horovod                 # Horovod programming model
+python cli.py test --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt
+python cli.py --help
+"""
+
+from app.cli import main
+
+if __name__ == "__main__":
+    main()

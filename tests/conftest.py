@@ -1,0 +1,49 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_TEST_CONFIG = ROOT / "configs" / "cpu_test.yaml"
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory) -> Path:
+    """Synthetic Fashion-MNIST IDX files, written once per test session."""
+    from app.data import FashionMNISTDataModule
+
+    path = tmp_path_factory.mktemp("data")
+    FashionMNISTDataModule(data_dir=str(path), source="synthetic").prepare_data()
+    return path
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch) -> Path:
+    """Run in a fresh folder, so lightning_logs/ of each test is its own."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_state():
+    threads = torch.get_num_threads()
+    env = dict(os.environ)
+    yield
+    torch.set_num_threads(threads)
+    os.environ.clear()
+    os.environ.update(env)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def run_cli(*args: str) -> None:
+    """Run ``cli.py`` in this process (fast: no new interpreter, no re-import of torch)."""
+    from app.cli import main
+
+    main(list(args))
+
+
+def python() -> str:
+    return sys.executable

@@ -1,0 +1,131 @@
+"""fit -> validate -> test -> predict through the real cli.py, on the tiny network and synthetic data."""
+
+import csv
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from app.model import ImageClassifier, load_network, network_state_dict
+from app.networks import build_resnet
+from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
+
+
+def read_metrics(version_dir):
+    with open(version_dir / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def epoch_values(rows, key):
+    return [float(r[key]) for r in rows if r.get(key)]
+
+
+@pytest.mark.slow
+def test_fit_validate_test_predict_through_cli(workdir, data_dir):
+    base = ["--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir)]
+    run_cli("fit", *base, "--trainer.max_epochs=3", "--trainer.limit_train_batches=12")
+
+    version = workdir / "lightning_logs" / "version_0"
+    checkpoints = sorted(p.name for p in (version / "checkpoints").iterdir())
+    assert "last.ckpt" in checkpoints and any(p.startswith("epoch=") for p in checkpoints)
+    for name in ("config.yaml", "hparams.yaml", "metrics.csv"):
+        assert (version / name).is_file()
+    assert list(version.glob("events.out.tfevents.*"))  # TensorBoard (a dev dependency)
+    assert not (workdir / "lightning_logs" / "version_1").exists()  # one run, one folder
+
+    rows = read_metrics(version)
+    losses = epoch_values(rows, "train/loss_epoch")
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    assert len(epoch_values(rows, "val/acc")) == 3
+    hparams = yaml.safe_load((version / "hparams.yaml").read_text())
+    assert hparams["resolved_source"] == "synthetic" and hparams["arch"] == "resnet_tiny"
+
+    ckpt = str(version / "checkpoints" / "last.ckpt")
+    run_cli("validate", *base, "--ckpt_path", ckpt)
+    run_cli("test", *base, "--ckpt_path", ckpt)
+    rows = read_metrics(workdir / "lightning_logs" / "version_2")
+    (test_acc,) = epoch_values(rows, "test/acc")
+    assert 0.0 <= test_acc <= 1.0
+    run_cli("predict", *base, "--ckpt_path", ckpt)
+
+
+@pytest.mark.slow
+def test_checkpoint_loads_into_plain_network_with_same_predictions(workdir, data_dir):
+    run_cli("fit", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--trainer.max_epochs=1")
+    ckpt_path = workdir / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)  # plain data only
+
+    net = build_resnet("resnet_tiny")
+    net.load_state_dict(network_state_dict(checkpoint), strict=True)  # no "module." or wrapper prefixes
+    assert not any(k.startswith(("module.", "_forward_module.")) for k in checkpoint["state_dict"])
+    module = ImageClassifier.load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=True)
+
+    x = torch.randn(8, 1, 28, 28)
+    with torch.no_grad():
+        expected = module.eval()(x)
+        assert torch.equal(net.eval()(x), expected)
+        assert torch.equal(load_network(ckpt_path)(x), expected)
+
+
+def test_print_config_reruns_to_the_same_config(workdir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", "--model.arch=resnet_tiny", "--data.batch_size=32", "--trainer.max_epochs=4", "--print_config")
+    assert exit_info.value.code == 0
+    first = capsys.readouterr().out
+    (workdir / "printed.yaml").write_text(first)
+    with pytest.raises(SystemExit):
+        run_cli("fit", "--config", "printed.yaml", "--print_config")
+    assert capsys.readouterr().out == first
+    config = yaml.safe_load(first)
+    assert config["model"]["arch"] == "resnet_tiny" and config["trainer"]["max_epochs"] == 4
+    assert config["model"]["optimizer"]["class_path"] == "torch.optim.SGD"
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_preset_parses(config, workdir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", "--config", str(config), "--print_config")
+    assert exit_info.value.code == 0
+    assert yaml.safe_load(capsys.readouterr().out)["model"]["arch"]
+
+
+def test_bad_value_is_one_line_error_with_exit_2(workdir):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), "fit", "--data.batch_size=0", "--data.source=synthetic"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=workdir,
+    )
+    assert result.returncode == 2
+    assert "error: --data.batch_size must be a positive integer, got 0" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (workdir / "lightning_logs").exists()
+
+
+@pytest.mark.slow
+def test_cli_script_trains_as_a_user_runs_it(workdir, data_dir):
+    """The real entry point in a fresh interpreter: exit 0, the d2l-style epoch line, a checkpoint."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "cli.py"),
+            "fit",
+            "--config",
+            str(CPU_TEST_CONFIG),
+            "--data.data_dir",
+            str(data_dir),
+            "--trainer.max_epochs=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=workdir,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert "epoch 0 | train loss" in output and "img/s | 1 x cpu (single_device)" in output
+    assert "Batch size: 16 per device x 1 devices x 1 nodes = 16 per step" in output
+    assert (workdir / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()

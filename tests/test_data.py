@@ -1,0 +1,162 @@
+import gzip
+
+import pytest
+import torch
+
+from app import synthetic
+from app.augment import random_crop_flip
+from app.data import SPLITS, FashionMNISTDataModule, TensorImageDataset, keep_batch
+from app.idx import DataFileError, read_idx, write_idx
+
+
+def test_synthetic_is_deterministic_and_seeded():
+    a_images, a_labels = synthetic.generate(500, seed=3)
+    b_images, b_labels = synthetic.generate(500, seed=3)
+    c_images, _ = synthetic.generate(500, seed=4)
+    assert a_images.dtype == torch.uint8 and a_images.shape == (500, 28, 28)
+    assert torch.equal(a_images, b_images) and torch.equal(a_labels, b_labels)
+    assert not torch.equal(a_images, c_images)
+    assert set(a_labels.tolist()) == set(range(10))  # every class appears
+
+
+def test_synthetic_files_are_the_same_bytes_for_the_same_seed(tmp_path):
+    for name in ("a", "b"):
+        FashionMNISTDataModule(data_dir=str(tmp_path / name), source="synthetic").prepare_data()
+    for images_file, labels_file, _ in SPLITS.values():
+        for f in (images_file, labels_file):
+            a = (tmp_path / "a" / "FashionMNIST-synthetic" / "raw" / f).read_bytes()
+            assert a == (tmp_path / "b" / "FashionMNIST-synthetic" / "raw" / f).read_bytes()
+
+
+def test_synthetic_is_learnable_but_not_trivial():
+    """Class means alone (a nearest-centroid classifier) do far better than chance, yet far from perfectly."""
+    images, labels = synthetic.generate(4000, seed=0)
+    x, y = images.flatten(1).float(), labels.long()
+    centroids = torch.stack([x[:2000][y[:2000] == c].mean(0) for c in range(10)])
+    acc = (torch.cdist(x[2000:], centroids).argmin(1) == y[2000:]).float().mean().item()
+    assert 0.3 < acc < 0.9, acc
+
+
+def test_idx_roundtrip_plain_and_gz(tmp_path):
+    t = torch.randint(0, 256, (7, 28, 28), dtype=torch.uint8)
+    for name in ("x-idx3-ubyte", "x-idx3-ubyte.gz"):
+        write_idx(tmp_path / name, t)
+        assert torch.equal(read_idx(tmp_path / name, ndim=3), t)
+    assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no temporaries
+
+
+def test_idx_rejects_truncated_file(tmp_path):
+    path = tmp_path / "images-idx3-ubyte"
+    write_idx(path, torch.zeros(10, 28, 28, dtype=torch.uint8))
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(DataFileError, match=r"images-idx3-ubyte: truncated"):
+        read_idx(path, ndim=3)
+
+
+def test_idx_rejects_wrong_magic(tmp_path):
+    path = tmp_path / "labels-idx1-ubyte"
+    path.write_bytes(b"\x00\x00\x0d\x01" + (3).to_bytes(4, "big") + b"\x00" * 12)  # float32 dtype code
+    with pytest.raises(DataFileError, match=r"labels-idx1-ubyte: wrong magic number 0x00000d01"):
+        read_idx(path, ndim=1)
+    with pytest.raises(DataFileError, match="wrong magic number"):
+        read_idx(tmp_path / "labels-idx1-ubyte", ndim=3)
+
+
+def test_idx_rejects_a_corrupt_gzip(tmp_path):
+    path = tmp_path / "x-idx1-ubyte.gz"
+    path.write_bytes(b"not gzip at all")
+    with pytest.raises(DataFileError, match="x-idx1-ubyte.gz: cannot decompress"):
+        read_idx(path)
+
+
+def _synthetic_dm(tmp_path, data_dir):
+    import shutil
+
+    shutil.copytree(data_dir, tmp_path / "d")
+    return FashionMNISTDataModule(data_dir=str(tmp_path / "d"), source="synthetic")
+
+
+def test_loader_rejects_out_of_range_labels(tmp_path, data_dir):
+    dm = _synthetic_dm(tmp_path, data_dir)
+    labels = read_idx(dm.synthetic_dir / "t10k-labels-idx1-ubyte")
+    labels[5] = 10
+    write_idx(dm.synthetic_dir / "t10k-labels-idx1-ubyte", labels)
+    with pytest.raises(DataFileError, match=r"t10k-labels-idx1-ubyte: label 10 out of range 0..9"):
+        dm.setup("test")
+
+
+def test_loader_rejects_wrong_image_shape(tmp_path, data_dir):
+    dm = _synthetic_dm(tmp_path, data_dir)
+    write_idx(dm.synthetic_dir / "t10k-images-idx3-ubyte", torch.zeros(10_000, 32, 32, dtype=torch.uint8))
+    with pytest.raises(DataFileError, match=r"t10k-images-idx3-ubyte: images are \(32, 32\), expected 28x28"):
+        dm.setup("test")
+
+
+def test_real_files_are_checked_against_known_md5(tmp_path):
+    """A .gz in the real-data folder that is not the published file is refused, naming the file."""
+    dm = FashionMNISTDataModule(data_dir=str(tmp_path), source="fashion_mnist")
+    images, labels = synthetic.generate(10, seed=0)
+    for images_file, labels_file, _ in SPLITS.values():
+        write_idx(dm.real_dir / f"{images_file}.gz", images)
+        write_idx(dm.real_dir / f"{labels_file}.gz", labels)
+    dm.prepare_data()  # files present: no download attempted
+    with pytest.raises(DataFileError, match=r"train-images-idx3-ubyte.gz: MD5 checksum mismatch"):
+        dm.setup("fit")
+
+
+def test_fashion_mnist_without_files_or_network_names_the_flag(tmp_path, monkeypatch):
+    dm = FashionMNISTDataModule(data_dir=str(tmp_path), source="fashion_mnist")
+    monkeypatch.setattr(dm, "_download", lambda: (_ for _ in ()).throw(RuntimeError("no network")))
+    with pytest.raises(DataFileError, match=r"--data.source=fashion_mnist.*--data.source=synthetic"):
+        dm.prepare_data()
+    assert not (tmp_path / "FashionMNIST-synthetic").exists()
+
+
+def test_auto_falls_back_to_synthetic_loudly(tmp_path, monkeypatch):
+    dm = FashionMNISTDataModule(data_dir=str(tmp_path), source="auto", val_size=100)
+    monkeypatch.setattr(dm, "_download", lambda: (_ for _ in ()).throw(RuntimeError("no network")))
+    with pytest.warns(UserWarning, match="SYNTHETIC stand-in"):
+        dm.prepare_data()
+    dm.setup("fit")
+    assert dm.hparams.resolved_source == "synthetic"
+    assert len(dm.train_set) == 60_000 - 100 and len(dm.val_set) == 100
+
+
+def test_dataset_serves_whole_batches_with_one_indexing_op():
+    images = torch.arange(10 * 28 * 28, dtype=torch.int64).reshape(10, 28, 28).to(torch.uint8)
+    ds = TensorImageDataset(images, torch.arange(10))
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, collate_fn=keep_batch)
+    x, y = next(iter(loader))
+    assert x.shape == (4, 28, 28) and x.dtype == torch.uint8
+    assert torch.equal(y, torch.arange(4)) and torch.equal(x, images[:4])
+
+
+def test_random_crop_flip_keeps_shape_and_pixels():
+    torch.manual_seed(0)
+    x = torch.rand(64, 1, 28, 28)
+    y = random_crop_flip(x, padding=4)
+    assert y.shape == x.shape
+    # Every output image is a shifted (and maybe mirrored) window of its input: its pixels come from the input.
+    for i in range(4):
+        assert set(y[i].unique().tolist()) <= set(x[i].unique().tolist()) | {0.0}
+    assert not torch.equal(x, y)
+    # Without padding only the flips remain: each image is itself or its mirror, and both kinds occur.
+    z = random_crop_flip(x, padding=0, generator=torch.Generator().manual_seed(1))
+    same = (z == x).flatten(1).all(1)
+    mirrored = (z == x.flip(-1)).flatten(1).all(1)
+    assert bool((same | mirrored).all()) and same.any() and mirrored.any()
+
+
+def test_bad_datamodule_arguments_name_the_flag():
+    from app.errors import UserError
+
+    with pytest.raises(UserError, match="--data.batch_size"):
+        FashionMNISTDataModule(batch_size=0)
+    with pytest.raises(UserError, match="--data.val_size"):
+        FashionMNISTDataModule(val_size=60_000)
+
+
+def test_gz_writer_is_deterministic(tmp_path):
+    t = torch.ones(3, dtype=torch.uint8)
+    write_idx(tmp_path / "a.gz", t)
+    assert gzip.decompress((tmp_path / "a.gz").read_bytes())[:4] == b"\x00\x00\x08\x01"

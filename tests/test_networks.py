@@ -1,0 +1,36 @@
+import pytest
+import torch
+
+from app.errors import UserError
+from app.networks import ARCHS, build_resnet
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_arch_takes_28x28_grayscale(arch):
+    net = build_resnet(arch, num_classes=10).eval()
+    assert net.conv1.in_channels == 1 and net.conv1.kernel_size == (3, 3) and net.conv1.stride == (1, 1)
+    assert isinstance(net.maxpool, torch.nn.Identity)
+    with torch.no_grad():
+        assert net(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
+
+
+def test_resnet18_matches_d2l_cost():
+    """d2l's ResNet-18 at 28x28x1: about 0.46 G multiply-adds (0.91 GFLOP) per image forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    net = build_resnet("resnet18").eval()
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        net(torch.zeros(1, 1, 28, 28))
+    assert 0.85e9 < counter.get_total_flops() < 0.95e9
+
+
+def test_tiny_is_small_and_group_norm_has_no_batchnorm():
+    tiny = build_resnet("resnet_tiny", norm="group")
+    assert sum(p.numel() for p in tiny.parameters()) < 400_000
+    assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in tiny.modules())
+    assert any(isinstance(m, torch.nn.GroupNorm) for m in tiny.modules())
+
+
+def test_unknown_arch_names_the_flag():
+    with pytest.raises(UserError, match="--model.arch='resnet9'"):
+        build_resnet("resnet9")
