@@ -1,3 +1,5 @@
 """ResNet / Fashion-MNIST training template on PyTorch Lightning, with dp, ddp, ddp_spawn and horovod strategies."""
 
 __version__ = "0.1.0"
+
+import app.strategies  # noqa: E402, F401  (registers "dp" and "horovod" in Lightning's StrategyRegistry)

