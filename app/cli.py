@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import difflib
 import sys
 
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
 
 import app  # noqa: F401  (registers the dp and horovod strategies)
 from app.data import FashionMNISTDataModule
 from app.errors import UserError
 from app.model import DEFAULT_SGD, ImageClassifier
+from app.strategies.launch import mpi_world_size
 
 DEFAULT_CALLBACKS = [
     {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
@@ -54,9 +57,10 @@ class CLI(LightningCLI):
         )
 
     def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_strategy_name(config.trainer.strategy)
         # --trainer.enable_progress_bar=false / enable_model_summary=false also drop our default rich callbacks
         # (Lightning refuses a progress bar or summary callback when they are disabled).
-        config = self.config[self.subcommand] if self.subcommand else self.config
         disabled = {
             "RichProgressBar": config.trainer.enable_progress_bar,
             "RichModelSummary": config.trainer.enable_model_summary,
@@ -75,6 +79,22 @@ class CLI(LightningCLI):
             if getattr(logger, "root_dir", None) == getattr(first, "root_dir", None) and logger._version is None:
                 logger._version = first.version
         return trainer
+
+
+def check_strategy_name(strategy) -> None:
+    """An unknown name, or a one-process strategy inside an MPI launch, fails here with every valid name listed."""
+    if not isinstance(strategy, str) or strategy == "auto":
+        return
+    names = sorted(StrategyRegistry.available_strategies())
+    if strategy not in names:
+        close = difflib.get_close_matches(strategy, names, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UserError(f"--trainer.strategy={strategy!r} is not a strategy.{hint} Available: auto, {', '.join(names)}")
+    if strategy in ("dp", "ddp_spawn") and mpi_world_size() > 1:
+        raise UserError(
+            f"--trainer.strategy={strategy} starts its own workers, but this process is one of {mpi_world_size()} MPI "
+            "ranks; under mpirun/horovodrun use --trainer.strategy=horovod (or ddp with one rank per device)"
+        )
 
 
 def main(args: list[str] | None = None) -> CLI | None:

@@ -77,7 +77,10 @@ class ImageClassifier(LightningModule):
     def _step(self, batch) -> dict[str, torch.Tensor]:
         images, target = batch
         logits = self(images)
-        return {"loss": self.criterion(logits, target), "preds": logits.argmax(dim=1), "target": target}
+        loss = self.criterion(logits, target)
+        # "loss" is what Lightning backpropagates (and divides by accumulate_grad_batches before the batch-end
+        # hooks see it); "batch_loss" is the batch's own mean loss, for logging.
+        return {"loss": loss, "batch_loss": loss.detach(), "preds": logits.argmax(dim=1), "target": target}
 
     def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         return self._step(batch)
@@ -95,7 +98,7 @@ class ImageClassifier(LightningModule):
 
     # ---------------------------------------------------------------- hooks: metrics and logging, on the root
     def _update_and_log(self, stage: str, outputs: dict[str, torch.Tensor]) -> None:
-        target, loss = outputs["target"], outputs["loss"].detach()
+        target, loss = outputs["target"], outputs["batch_loss"]
         acc, mean_loss = getattr(self, f"{stage}_acc"), getattr(self, f"{stage}_loss")
         acc.update(outputs["preds"], target)
         mean_loss.update(loss, weight=target.numel())

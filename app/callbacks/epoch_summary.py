@@ -28,7 +28,7 @@ class EpochSummary(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         n = len(batch[1])
         self._images += n
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        loss = outputs.get("batch_loss", outputs["loss"]) if isinstance(outputs, dict) else outputs
         self._loss_sum += float(loss) * n
 
     def _pause(self) -> None:

@@ -85,13 +85,14 @@ class DataParallelStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> None:
         return None
 
-    def setup_environment(self) -> None:
+    def _configure_launcher(self) -> None:
+        """Called when the Trainer is built: one process needs no launcher, and must not be one of many."""
         if mpi_world_size() > 1:
             raise UserError(
                 "--trainer.strategy=dp runs in one process, but this process was started by an MPI launcher with "
                 f"{mpi_world_size()} ranks; run it without mpirun, or use --trainer.strategy=horovod under mpirun"
             )
-        super().setup_environment()
+        self._launcher = None
 
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
@@ -201,7 +202,7 @@ def combine_outputs(outputs: list[Any], sizes: list[int], device: torch.device) 
     if isinstance(first, Tensor):
         if first.dim() == 0:
             total = sum(sizes)
-            return sum(out.to(device) * (size / total) for out, size in zip(outputs, sizes))
+            return sum(out.to(device) * (size / total) for out, size in zip(outputs, sizes, strict=True))
         return torch.cat([out.to(device) for out in outputs])
     if isinstance(first, dict):
         return {key: combine_outputs([out[key] for out in outputs], sizes, device) for key in first}

@@ -152,7 +152,8 @@ class HorovodStrategy(ParallelStrategy):
             if self.num_nodes > 1:
                 raise UserError(
                     f"--trainer.strategy=horovod with --trainer.num_nodes={self.num_nodes} must be started on every "
-                    "node by a launcher: horovodrun -np 8 -H a:4,b:4 python cli.py fit ... or mpirun -np 8 -H a:4,b:4 ..."
+                    "node by a launcher: horovodrun -np 8 -H a:4,b:4 python cli.py fit ..."
+                    " or mpirun -np 8 -H a:4,b:4 ..."
                 )
             self._launcher = MPIRunLauncher(self) if self.num_processes > 1 else None
             return

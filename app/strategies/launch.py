@@ -102,7 +102,7 @@ class MPILaunchEnvironment(ClusterEnvironment):
             self._address, self._port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         elif self._local_size == self._world_size:
             job = (
-                os.environ.get("OMPI_MCA_ess_base_jobid")
+                os.environ.get("OMPI_MCA_ess_base_jobid")  # noqa: SIM112
                 or os.environ.get("PMIX_NAMESPACE")
                 or os.environ.get("PMI_ID", "")
             )

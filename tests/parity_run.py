@@ -1,0 +1,67 @@
+"""Train K steps under one strategy and save the final weights and logged metrics (rank 0 only).
+
+Run as a script so that every launcher works as a user would use it: Lightning's ddp re-runs this file for its
+children, ddp_spawn pickles the trainer, mpirun starts it once per rank, and horovod self-launches under mpirun.
+
+    python tests/parity_run.py OUT --data-dir D --strategy ddp --devices 2 --batch-size 8
+"""
+
+import argparse
+import json
+from functools import partial
+
+import torch
+from lightning.pytorch import Trainer, seed_everything
+
+import app  # noqa: F401  (registers dp and horovod)
+from app.data import FashionMNISTDataModule
+from app.model import ImageClassifier
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--data-dir", required=True)
+    parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--compression", default=None)
+    parser.add_argument("--norm", default="group")
+    parser.add_argument("--lr", type=float, default=0.01)
+    args = parser.parse_args()
+
+    seed_everything(1234)
+    model = ImageClassifier(
+        arch="resnet_tiny", norm=args.norm, optimizer=partial(torch.optim.SGD, lr=args.lr, momentum=0.9)
+    )
+    data = FashionMNISTDataModule(data_dir=args.data_dir, source="synthetic", batch_size=args.batch_size, val_size=101)
+    strategy = args.strategy
+    if args.compression:
+        from app.strategies import HorovodStrategy
+
+        strategy = HorovodStrategy(compression=args.compression)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        accumulate_grad_batches=args.accumulate,
+        limit_val_batches=1.0,
+        val_check_interval=args.steps * args.accumulate,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, data)
+    if trainer.is_global_zero:
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        torch.save({"state_dict": model.state_dict(), "metrics": metrics, "global_step": trainer.global_step}, args.out)
+        print(json.dumps(metrics))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""Every strategy, proven equal to one device on the same global batches (CPU, devices=2, real processes).
+
+The network is resnet_tiny with GroupNorm (no coupling between samples through batch statistics), so N devices
+at batch b and one device at batch N*b compute the same gradients; the only differences are float rounding.
+"""
+
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.strategies import StrategyRegistry
+
+from app.errors import UserError
+from app.strategies import DataParallelStrategy, HorovodStrategy
+from app.strategies.dp import combine_outputs, split_batch
+from app.strategies.horovod import horovod_available
+from tests.conftest import ROOT, run_cli
+
+SCRIPT = ROOT / "tests" / "parity_run.py"
+MPIRUN = Path(sys.executable).parent / "mpirun"
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+TOLERANCE = 1e-5  # ||theta - theta_ref|| / ||theta_ref|| over all parameters
+# Spawn-style launches bring weights, trainer state and callback metrics back to the caller, not the loop counters;
+# there, equality with the 4-step reference's weights is what shows that 4 steps were taken.
+SPAWNED = {"ddp_spawn", "horovod_self_launched"}
+
+
+def check_steps(name: str, result: dict, reference: dict) -> None:
+    assert reference["global_step"] == 4
+    if name not in SPAWNED:
+        assert result["global_step"] == 4
+
+
+def run_parity(out_dir: Path, data_dir: Path, name: str, *args: str, mpirun: int = 0) -> dict:
+    out = out_dir / f"{name}.pt"
+    if not out.exists():
+        cmd = [sys.executable, str(SCRIPT), str(out), "--data-dir", str(data_dir), *args]
+        if mpirun:
+            cmd = [str(MPIRUN), "-np", str(mpirun), "--oversubscribe", *cmd]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **MPI_ENV})
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return torch.load(out, weights_only=True)
+
+
+def relative_error(result: dict, reference: dict) -> float:
+    ref, got = reference["state_dict"], result["state_dict"]
+    keys = [k for k, v in ref.items() if v.is_floating_point()]
+    diff = sum(((got[k] - ref[k]) ** 2).sum() for k in keys)
+    return float((diff / sum((ref[k] ** 2).sum() for k in keys)).sqrt())
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory, data_dir):
+    out_dir = tmp_path_factory.mktemp("parity")
+
+    @cache
+    def get(name: str, *args: str, mpirun: int = 0) -> dict:
+        return run_parity(out_dir, data_dir, name, *args, mpirun=mpirun)
+
+    return get
+
+
+CASES = {
+    "dp": ["--strategy", "dp", "--devices", "2", "--batch-size", "8"],
+    "ddp": ["--strategy", "ddp", "--devices", "2", "--batch-size", "8"],
+    "ddp_spawn": ["--strategy", "ddp_spawn", "--devices", "2", "--batch-size", "8"],
+    "horovod_self_launched": ["--strategy", "horovod", "--devices", "2", "--batch-size", "8"],
+}
+REFERENCE = ["--devices", "1", "--batch-size", "16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [*CASES, "horovod_mpirun"])
+def test_strategy_trains_like_one_device(parity, name):
+    reference = parity("reference", *REFERENCE)
+    if name == "horovod_mpirun":
+        result = parity(name, *CASES["horovod_self_launched"], mpirun=2)
+    else:
+        result = parity(name, *CASES[name])
+    check_steps(name, result, reference)
+    assert relative_error(result, reference) < TOLERANCE
+    # the parameters did move: parity is not "nothing happened"
+    assert relative_error(parity("untrained", *REFERENCE, "--steps", "0"), reference) > 1e-3
+    for key in ("val/acc", "val/loss"):
+        assert result["metrics"][key] == pytest.approx(reference["metrics"][key], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp", "ddp", "horovod_self_launched"])
+def test_gradient_accumulation_matches_one_device(parity, name):
+    reference = parity("reference_acc2", *REFERENCE, "--accumulate", "2")
+    result = parity(f"{name}_acc2", *CASES[name], "--accumulate", "2")
+    check_steps(name, result, reference)  # optimizer steps, not batches
+    assert relative_error(result, reference) < TOLERANCE
+    assert result["metrics"]["train/loss_epoch"] == pytest.approx(reference["metrics"]["train/loss_epoch"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_horovod_fp16_compression_is_close_but_lossy(parity):
+    """16-bit gradients on the wire: within 1e-3 of one device (documented tolerance), and not bit-equal."""
+    reference = parity("reference", *REFERENCE)
+    exact = parity("horovod_self_launched", *CASES["horovod_self_launched"])
+    fp16 = parity("horovod_fp16", *CASES["horovod_self_launched"], "--compression", "fp16")
+    assert relative_error(fp16, reference) < 1e-3
+    assert relative_error(fp16, reference) > relative_error(exact, reference)
+
+
+# ------------------------------------------------------------------------------------------------ registry, errors
+def test_strategies_are_registered_under_their_old_names():
+    assert StrategyRegistry["dp"]["strategy"] is DataParallelStrategy
+    assert StrategyRegistry["horovod"]["strategy"] is HorovodStrategy
+    assert isinstance(Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False).strategy, DataParallelStrategy)
+
+
+def test_unknown_strategy_lists_every_name_ours_included(workdir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", "--trainer.strategy=horovd", "--data.source=synthetic")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: --trainer.strategy='horovd' is not a strategy. Did you mean 'horovod'?" in err
+    available = err.split("Available: ")[1].strip().split(", ")
+    assert {"auto", "dp", "ddp", "ddp_spawn", "horovod"} <= set(available)
+    assert not (workdir / "lightning_logs").exists()
+
+
+def test_ddp_spawn_inside_mpi_launch_is_refused(workdir, capsys, monkeypatch):
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", "--trainer.strategy=ddp_spawn", "--data.source=synthetic")
+    assert exit_info.value.code == 2
+    assert "use --trainer.strategy=horovod" in capsys.readouterr().err
+
+
+def test_dp_under_mpi_launch_is_refused(monkeypatch):
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    with pytest.raises(UserError, match="--trainer.strategy=dp runs in one process"):
+        Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False)
+
+
+def test_horovod_devices_must_match_launched_processes(monkeypatch):
+    for key, value in {
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "OMPI_COMM_WORLD_RANK": "0",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+    }.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError, match=r"mpirun started 4 processes per node, but --trainer.devices=2"):
+        Trainer(strategy="horovod", accelerator="cpu", devices=2, logger=False)
+
+
+def test_horovod_multi_node_needs_a_launcher():
+    with pytest.raises(UserError, match="num_nodes=2 must be started on every node by a launcher"):
+        Trainer(strategy="horovod", accelerator="cpu", devices=2, num_nodes=2, logger=False)
+
+
+def test_horovod_backend_without_horovod_says_why():
+    if horovod_available():
+        pytest.skip("horovod is importable here")
+    with pytest.raises(UserError, match="backend=horovod needs the horovod package"):
+        HorovodStrategy(backend="horovod")
+    assert HorovodStrategy().backend == "mpi"
+
+
+@pytest.mark.skipif(not horovod_available(), reason="horovod is not importable (no release builds against torch>=2.1)")
+@pytest.mark.slow
+def test_horovod_backend_trains_like_one_device(tmp_path, data_dir):
+    reference = run_parity(tmp_path, data_dir, "reference", *REFERENCE)
+    result = run_parity(tmp_path, data_dir, "hvd", *CASES["horovod_self_launched"], mpirun=2)
+    assert relative_error(result, reference) < TOLERANCE
+
+
+# ------------------------------------------------------------------------------------------------ dp pieces
+def test_split_batch_follows_torch_chunk_and_combine_weights_by_size():
+    batch = (torch.arange(10).float(), torch.arange(10))
+    chunks = split_batch(batch, 4)
+    assert [len(c[1]) for c in chunks] == [3, 3, 3, 1]
+    outputs = [{"loss": c[0].mean(), "preds": c[1]} for c in chunks]
+    combined = combine_outputs(outputs, [3, 3, 3, 1], torch.device("cpu"))
+    assert combined["loss"].item() == pytest.approx(4.5)  # the full batch's mean, despite the uneven last chunk
+    assert torch.equal(combined["preds"], torch.arange(10))
+
+
+def test_dp_keeps_only_chunk_zero_batchnorm_update():
+    """As nn.DataParallel: replica 0 shares the root's buffers, the other replicas' updates are discarded."""
+    from app.model import ImageClassifier
+
+    torch.manual_seed(0)
+    model = ImageClassifier(arch="resnet_tiny")
+    expected = ImageClassifier(arch="resnet_tiny")
+    expected.load_state_dict(model.state_dict())
+    trainer = Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False)
+    strategy = trainer.strategy
+    strategy._lightning_module = strategy.model = model
+    x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
+    strategy._data_parallel("training_step", (x, y), 0)
+    expected.training_step((x[:4], y[:4]), 0)
+    assert torch.equal(model.net.bn1.running_mean, expected.net.bn1.running_mean)
+    assert int(model.net.bn1.num_batches_tracked) == 1
