@@ -1,6 +1,7 @@
 """fit -> validate -> test -> predict through the real cli.py, on the tiny network and synthetic data."""
 
 import csv
+import os
 import subprocess
 import sys
 
@@ -129,3 +130,34 @@ def test_cli_script_trains_as_a_user_runs_it(workdir, data_dir):
     assert "epoch 0 | train loss" in output and "img/s | 1 x cpu (single_device)" in output
     assert "Batch size: 16 per device x 1 devices x 1 nodes = 16 per step" in output
     assert (workdir / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["dp", "ddp", "ddp_spawn", "horovod"])
+def test_one_run_writes_one_log_folder_whatever_the_strategy(strategy, workdir, data_dir):
+    """Only rank 0 writes: one version folder, one metrics.csv, one last.ckpt, for every strategy."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "cli.py"),
+            "fit",
+            "--config",
+            str(CPU_TEST_CONFIG),
+            "--data.data_dir",
+            str(data_dir),
+            "--trainer.max_epochs=1",
+            f"--trainer.strategy={strategy}",
+            "--trainer.devices=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=workdir,
+        env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = workdir / "lightning_logs"
+    assert [p.name for p in logs.iterdir()] == ["version_0"]
+    assert len(list(logs.rglob("metrics.csv"))) == 1 and len(list(logs.rglob("last.ckpt"))) == 1
+    assert len(list(logs.rglob("config.yaml"))) == 1
+    assert f"2 x cpu ({strategy})" in result.stdout + result.stderr
