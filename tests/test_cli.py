@@ -23,6 +23,14 @@ def epoch_values(rows, key):
     return [float(r[key]) for r in rows if r.get(key)]
 
 
+def fit_in_subprocess(workdir, data_dir, *extra: str) -> subprocess.CompletedProcess:
+    """``python cli.py fit`` on the CPU test preset in a fresh interpreter, as a user runs it."""
+    cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG)]
+    cmd += ["--data.data_dir", str(data_dir), "--trainer.max_epochs=1", *extra]
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=workdir, env=env)
+
+
 @pytest.mark.slow
 def test_fit_validate_test_predict_through_cli(workdir, data_dir):
     base = ["--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir)]
@@ -109,22 +117,7 @@ def test_bad_value_is_one_line_error_with_exit_2(workdir):
 @pytest.mark.slow
 def test_cli_script_trains_as_a_user_runs_it(workdir, data_dir):
     """The real entry point in a fresh interpreter: exit 0, the d2l-style epoch line, a checkpoint."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "cli.py"),
-            "fit",
-            "--config",
-            str(CPU_TEST_CONFIG),
-            "--data.data_dir",
-            str(data_dir),
-            "--trainer.max_epochs=1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=workdir,
-    )
+    result = fit_in_subprocess(workdir, data_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "epoch 0 | train loss" in output and "img/s | 1 x cpu (single_device)" in output
@@ -136,25 +129,7 @@ def test_cli_script_trains_as_a_user_runs_it(workdir, data_dir):
 @pytest.mark.parametrize("strategy", ["dp", "ddp", "ddp_spawn", "horovod"])
 def test_one_run_writes_one_log_folder_whatever_the_strategy(strategy, workdir, data_dir):
     """Only rank 0 writes: one version folder, one metrics.csv, one last.ckpt, for every strategy."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "cli.py"),
-            "fit",
-            "--config",
-            str(CPU_TEST_CONFIG),
-            "--data.data_dir",
-            str(data_dir),
-            "--trainer.max_epochs=1",
-            f"--trainer.strategy={strategy}",
-            "--trainer.devices=2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=workdir,
-        env={**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
-    )
+    result = fit_in_subprocess(workdir, data_dir, f"--trainer.strategy={strategy}", "--trainer.devices=2")
     assert result.returncode == 0, result.stderr[-3000:]
     logs = workdir / "lightning_logs"
     assert [p.name for p in logs.iterdir()] == ["version_0"]
