@@ -28,7 +28,7 @@ DEFAULT_CALLBACKS = [
             "auto_insert_metric_name": False,
         },
     },
-    {"class_path": "app.callbacks.EpochSummary"},
+    {"class_path": "app.callbacks.RunReport"},
 ]
 
 

@@ -1,5 +1,6 @@
 import os
 import sys
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,20 @@ def _restore_torch_state():
     os.environ.update(env)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def parity(tmp_path_factory, data_dir):
+    """``parity(name, *args, mpirun=0)``: the saved result of one ``tests/parity_run.py`` run, made once a session."""
+    from tests.parity import run_parity
+
+    out_dir = tmp_path_factory.mktemp("parity")
+
+    @cache
+    def get(name: str, *args: str, mpirun: int = 0) -> dict:
+        return run_parity(out_dir, data_dir, name, *args, mpirun=mpirun)
+
+    return get
 
 
 def run_cli(*args: str) -> None:

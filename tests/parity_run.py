@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch import Trainer, seed_everything
 
 import app  # noqa: F401  (registers dp and horovod)
+from app.callbacks import ActivationCheckpointing, LRWarmup, SyncBatchNorm
 from app.data import FashionMNISTDataModule
 from app.model import ImageClassifier
 
@@ -30,7 +31,18 @@ def main() -> None:
     parser.add_argument("--compression", default=None)
     parser.add_argument("--norm", default="group")
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--sync-bn", action="store_true", help="add the SyncBatchNorm callback")
+    parser.add_argument("--checkpointing", action="store_true", help="add the ActivationCheckpointing callback")
+    parser.add_argument("--warmup-steps", type=int, default=0, help="add LRWarmup (linear scaling rule) if > 0")
     args = parser.parse_args()
+
+    callbacks = []
+    if args.sync_bn:
+        callbacks.append(SyncBatchNorm())
+    if args.checkpointing:
+        callbacks.append(ActivationCheckpointing())
+    if args.warmup_steps:
+        callbacks.append(LRWarmup(warmup_steps=args.warmup_steps, scale_lr="linear", reference_batch=8))
 
     seed_everything(1234)
     model = ImageClassifier(
@@ -51,6 +63,7 @@ def main() -> None:
         limit_val_batches=1.0,
         val_check_interval=args.steps * args.accumulate,
         num_sanity_val_steps=0,
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -4,12 +4,6 @@ The network is resnet_tiny with GroupNorm (no coupling between samples through b
 at batch b and one device at batch N*b compute the same gradients; the only differences are float rounding.
 """
 
-import os
-import subprocess
-import sys
-from functools import cache
-from pathlib import Path
-
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -19,59 +13,8 @@ from app.errors import UserError
 from app.strategies import DataParallelStrategy, HorovodStrategy
 from app.strategies.dp import combine_outputs, split_batch
 from app.strategies.horovod import horovod_available
-from tests.conftest import ROOT, run_cli
-
-SCRIPT = ROOT / "tests" / "parity_run.py"
-MPIRUN = Path(sys.executable).parent / "mpirun"
-MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-TOLERANCE = 1e-5  # ||theta - theta_ref|| / ||theta_ref|| over all parameters
-# Spawn-style launches bring weights, trainer state and callback metrics back to the caller, not the loop counters;
-# there, equality with the 4-step reference's weights is what shows that 4 steps were taken.
-SPAWNED = {"ddp_spawn", "horovod_self_launched"}
-
-
-def check_steps(name: str, result: dict, reference: dict) -> None:
-    assert reference["global_step"] == 4
-    if name not in SPAWNED:
-        assert result["global_step"] == 4
-
-
-def run_parity(out_dir: Path, data_dir: Path, name: str, *args: str, mpirun: int = 0) -> dict:
-    out = out_dir / f"{name}.pt"
-    if not out.exists():
-        cmd = [sys.executable, str(SCRIPT), str(out), "--data-dir", str(data_dir), *args]
-        if mpirun:
-            cmd = [str(MPIRUN), "-np", str(mpirun), "--oversubscribe", *cmd]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **MPI_ENV})
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return torch.load(out, weights_only=True)
-
-
-def relative_error(result: dict, reference: dict) -> float:
-    ref, got = reference["state_dict"], result["state_dict"]
-    keys = [k for k, v in ref.items() if v.is_floating_point()]
-    diff = sum(((got[k] - ref[k]) ** 2).sum() for k in keys)
-    return float((diff / sum((ref[k] ** 2).sum() for k in keys)).sqrt())
-
-
-@pytest.fixture(scope="module")
-def parity(tmp_path_factory, data_dir):
-    out_dir = tmp_path_factory.mktemp("parity")
-
-    @cache
-    def get(name: str, *args: str, mpirun: int = 0) -> dict:
-        return run_parity(out_dir, data_dir, name, *args, mpirun=mpirun)
-
-    return get
-
-
-CASES = {
-    "dp": ["--strategy", "dp", "--devices", "2", "--batch-size", "8"],
-    "ddp": ["--strategy", "ddp", "--devices", "2", "--batch-size", "8"],
-    "ddp_spawn": ["--strategy", "ddp_spawn", "--devices", "2", "--batch-size", "8"],
-    "horovod_self_launched": ["--strategy", "horovod", "--devices", "2", "--batch-size", "8"],
-}
-REFERENCE = ["--devices", "1", "--batch-size", "16"]
+from tests.conftest import run_cli
+from tests.parity import CASES, REFERENCE, TOLERANCE, check_steps, relative_error, run_parity
 
 
 @pytest.mark.slow

@@ -1,5 +1,8 @@
 """Lightning callbacks of the template; each can be added with ``--trainer.callbacks+=app.callbacks.NAME``."""
 
-from app.callbacks.epoch_summary import EpochSummary
+from app.callbacks.activation_checkpointing import ActivationCheckpointing
+from app.callbacks.run_report import RunReport
+from app.callbacks.sync_batchnorm import AllReduceBatchNorm, SyncBatchNorm
+from app.callbacks.warmup import LRWarmup
 
-__all__ = ["EpochSummary"]
+__all__ = ["ActivationCheckpointing", "AllReduceBatchNorm", "LRWarmup", "RunReport", "SyncBatchNorm"]

@@ -1,0 +1,163 @@
+"""What a run did, per epoch and per device: seconds, images/s, step time and peak memory.
+
+Each epoch prints one line, like d2l's::
+
+    epoch 3 | train loss 0.4120 | val acc 0.8712 | 12.3 s | 4,567 img/s | 2 x cuda (ddp)
+
+and the end of training prints a table with one row per device: steps, mean step time, images/s and peak memory
+(``torch.cuda.max_memory_allocated`` on GPUs, the process's peak resident memory on CPU). Under ``dp`` device 0
+holds the master weights and gathers every output, so its peak memory stands above the others'; under ``ddp`` the
+rows are even. That is the seeds' point about DataParallel, made visible.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+_FIELDS = ("images", "seconds", "steps", "peak_bytes")
+
+
+class RunReport(Callback):
+    """Per-epoch summary line and an end-of-training table per device (on by default in ``cli.py``)."""
+
+    def __init__(self) -> None:
+        self._train_seconds = 0.0
+        self._started: float | None = None
+        self._images = 0
+        self._loss_sum = 0.0
+        self._run = dict.fromkeys(_FIELDS, 0.0)
+
+    # ---------------------------------------------------------------- timing the training batches
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._run = dict.fromkeys(_FIELDS, 0.0)
+        for device in _devices(trainer):
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._epoch_start = self._started = time.perf_counter()
+        self._train_seconds, self._images, self._loss_sum = 0.0, 0, 0.0
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        n = len(batch[1])
+        self._images += n
+        loss = outputs.get("batch_loss", outputs["loss"]) if isinstance(outputs, dict) else outputs
+        self._loss_sum += float(loss) * n
+        self._run["steps"] += 1
+
+    def _pause(self) -> None:
+        if self._started is not None:
+            self._train_seconds += time.perf_counter() - self._started
+            self._started = None
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._pause()
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking and trainer.training:
+            self._started = time.perf_counter()
+
+    # ---------------------------------------------------------------- the epoch line
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pause()
+        self._run["images"] += self._images
+        self._run["seconds"] += self._train_seconds
+        # Every rank reaches this hook, so the reduction is safe; it makes the numbers global.
+        totals = torch.tensor([self._images, self._loss_sum], dtype=torch.float64, device=pl_module.device)
+        totals = trainer.strategy.reduce(totals, reduce_op="sum")
+        images, loss_sum = totals.tolist()
+        seconds = time.perf_counter() - self._epoch_start
+        parts = [f"epoch {trainer.current_epoch}", f"train loss {loss_sum / max(images, 1):.4f}"]
+        val_acc = trainer.callback_metrics.get("val/acc")
+        if val_acc is not None:
+            parts.append(f"val acc {float(val_acc):.4f}")
+        parts += [
+            f"{seconds:.1f} s",
+            f"{images / max(self._train_seconds, 1e-9):,.0f} img/s",
+            f"{trainer.num_devices * trainer.num_nodes} x {trainer.strategy.root_device.type} "
+            f"({strategy_name(trainer)})",
+        ]
+        rank_zero_info(" | ".join(parts))
+
+    # ---------------------------------------------------------------- the table per device
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        rows = self.device_rows(trainer, pl_module)
+        if trainer.is_global_zero and rows:
+            print_table(rows, f"Run report: {strategy_name(trainer)}, {len(rows)} device(s)")
+
+    def device_rows(self, trainer: Trainer, pl_module: LightningModule) -> list[dict]:
+        """One dict per device (all ranks' numbers, gathered; call on every rank)."""
+        devices = _devices(trainer)
+        peaks = [_peak_bytes(d) for d in devices]
+        local = torch.tensor(
+            [
+                [self._run["images"] / len(devices), self._run["seconds"], self._run["steps"], peak, _index(d)]
+                for d, peak in zip(devices, peaks, strict=True)
+            ],
+            dtype=torch.float64,
+            device=pl_module.device,
+        )
+        gathered = trainer.strategy.all_gather(local).reshape(-1, len(devices), len(_FIELDS) + 1)
+        rows = []
+        for rank, per_rank in enumerate(gathered.tolist()):
+            for images, seconds, steps, peak, index in per_rank:
+                rows.append(
+                    {
+                        "rank": rank,
+                        "device": devices[0].type if index < 0 else f"{devices[0].type}:{int(index)}",
+                        "steps": int(steps),
+                        "step_ms": 1000 * seconds / max(steps, 1),
+                        "images_per_s": images / max(seconds, 1e-9),
+                        "peak_mib": peak / 2**20,
+                    }
+                )
+        return rows
+
+
+def print_table(rows: list[dict], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for name in ("rank", "device", "steps", "step ms", "images/s", "peak memory MiB"):
+        table.add_column(name, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r["rank"]),
+            r["device"],
+            str(r["steps"]),
+            f"{r['step_ms']:.1f}",
+            f"{r['images_per_s']:,.0f}",
+            f"{r['peak_mib']:,.0f}",
+        )
+    Console().print(table)
+
+
+def _devices(trainer: Trainer) -> list[torch.device]:
+    """The devices this process drives: all of dp's, else the strategy's root device."""
+    strategy = trainer.strategy
+    if getattr(strategy, "strategy_name", None) == "dp":
+        return list(strategy.parallel_devices)
+    return [strategy.root_device]
+
+
+def _index(device: torch.device) -> int:
+    return -1 if device.index is None else device.index
+
+
+def _peak_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+
+
+def strategy_name(trainer: Trainer) -> str:
+    strategy = trainer.strategy
+    name = getattr(strategy, "strategy_name", None) or type(strategy).__name__.removesuffix("Strategy").lower()
+    return f"{name}_spawn" if getattr(strategy, "_start_method", None) == "spawn" else name

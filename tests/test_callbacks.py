@@ -1,0 +1,388 @@
+"""SyncBatchNorm, LRWarmup, ActivationCheckpointing and RunReport: each proven with numbers (CPU, real processes)."""
+
+import csv
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from app.callbacks import ActivationCheckpointing, LRWarmup, SyncBatchNorm
+from app.callbacks.activation_checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
+from app.callbacks.sync_batchnorm import AllReduceBatchNorm, convert_batchnorm
+from app.callbacks.warmup import lr_scale, warmup_factor
+from app.errors import UserError
+from app.model import ImageClassifier
+from app.networks import build_resnet
+from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
+from tests.parity import CASES, REFERENCE, TOLERANCE, buffer_error, relative_error
+
+
+# ================================================================================================ SyncBatchNorm
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sync_bn_worker(rank: int, world: int, port: int, x: torch.Tensor, g: torch.Tensor, sizes, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    bn = AllReduceBatchNorm(3, momentum=0.3)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    start = sum(sizes[:rank])
+    xi = x[start : start + sizes[rank]].clone().requires_grad_()
+    for _ in range(2):  # two steps: running statistics compound
+        y = bn(xi)
+    (y * g[start : start + sizes[rank]]).sum().backward()
+    torch.save(
+        {
+            "y": y.detach(),
+            "dx": xi.grad,
+            "dw": bn.weight.grad,
+            "db": bn.bias.grad,
+            "state": bn.state_dict(),
+        },
+        f"{out}.{rank}",
+    )
+    dist.destroy_process_group()
+
+
+def test_allreduce_batchnorm_equals_one_process_on_the_whole_batch(tmp_path):
+    """2 gloo processes with uneven batches (5 and 3): outputs, every gradient and running stats as one process."""
+    torch.manual_seed(1)
+    x, g = torch.randn(8, 3, 4, 4) * 2 + 1, torch.randn(8, 3, 4, 4)
+    sizes = [5, 3]
+    mp.spawn(_sync_bn_worker, args=(2, _free_port(), x, g, sizes, str(tmp_path / "r")), nprocs=2)
+    ranks = [torch.load(tmp_path / f"r.{r}", weights_only=True) for r in range(2)]
+
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3, momentum=0.3)
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-0.5, 0.5)
+    xr = x.clone().requires_grad_()
+    for _ in range(2):
+        y = bn(xr)
+    (y * g).sum().backward()
+
+    tol = {"atol": 1e-6, "rtol": 1e-6}
+    torch.testing.assert_close(torch.cat([r["y"] for r in ranks]), y.detach(), **tol)
+    torch.testing.assert_close(torch.cat([r["dx"] for r in ranks]), xr.grad, **tol)
+    torch.testing.assert_close(ranks[0]["dw"] + ranks[1]["dw"], bn.weight.grad, **tol)  # local parts sum up
+    torch.testing.assert_close(ranks[0]["db"] + ranks[1]["db"], bn.bias.grad, **tol)
+    for r in ranks:
+        for key in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(r["state"][key], bn.state_dict()[key], **tol)
+
+
+def test_allreduce_batchnorm_without_process_group_is_plain_batchnorm():
+    torch.manual_seed(0)
+    plain = nn.BatchNorm2d(4)
+    converted = build_resnet("resnet_tiny")
+    reference = build_resnet("resnet_tiny")
+    reference.load_state_dict(converted.state_dict())
+    assert convert_batchnorm(converted, AllReduceBatchNorm) == sum(
+        isinstance(m, nn.BatchNorm2d) for m in reference.modules()
+    )
+    assert not any(type(m) is nn.BatchNorm2d for m in converted.modules())
+    assert converted.state_dict().keys() == reference.state_dict().keys()  # checkpoints stay interchangeable
+    x = torch.randn(4, 1, 28, 28)
+    torch.testing.assert_close(converted(x), reference(x), atol=0, rtol=0)
+    assert isinstance(plain, nn.BatchNorm2d)
+
+
+BN_WARMUP = ["--norm", "batch", "--warmup-steps", "2"]
+BN_REFERENCE = [*REFERENCE, *BN_WARMUP]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", "horovod_mpirun"])
+def test_sync_batchnorm_ddp_and_horovod_train_like_one_device(parity, name):
+    """BatchNorm network, 2 ranks x 8 = one process x 16: weights AND running statistics, only with the callback.
+
+    Activation checkpointing and the LR warmup with the linear scaling rule are on too: none of them may change
+    what is computed.
+    """
+    reference = parity("reference_bn", *BN_REFERENCE)
+    case, mpirun = (CASES["horovod_self_launched"], 2) if name == "horovod_mpirun" else (CASES[name], 0)
+    synced = parity(f"{name}_bn_sync", *case, *BN_WARMUP, "--sync-bn", "--checkpointing", mpirun=mpirun)
+    assert relative_error(synced, reference) < TOLERANCE
+    assert buffer_error(synced, reference) < TOLERANCE
+    plain = parity(f"{name}_bn_plain", *case, *BN_WARMUP, mpirun=mpirun)
+    assert buffer_error(plain, reference) > 1e-3  # each rank's own statistics: not the global batch's
+
+
+def test_sync_batchnorm_is_a_no_op_on_one_process_and_warns_under_dp(workdir, data_dir, capsys):
+    module = ImageClassifier(arch="resnet_tiny")
+    from lightning.pytorch import Trainer
+
+    for strategy, devices in (("auto", 1), ("dp", 2)):
+        trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False)
+        if strategy == "dp":
+            with pytest.warns(UserWarning, match="strategy=dp runs its replicas in one process"):
+                SyncBatchNorm().setup(trainer, module, "fit")
+        else:
+            SyncBatchNorm().setup(trainer, module, "fit")
+        assert not any(isinstance(m, AllReduceBatchNorm) for m in module.modules())
+
+
+# ================================================================================================ LRWarmup
+def test_warmup_factor_and_scaling_rule_closed_forms():
+    assert [warmup_factor(t, 4, 0.2) for t in range(6)] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.0])
+    assert [warmup_factor(t, 2, 0.25, "exponential") for t in range(3)] == pytest.approx([0.25, 0.5, 1.0])
+    assert [warmup_factor(t, 3, 0.5, "constant") for t in range(4)] == [0.5, 0.5, 0.5, 1.0]
+    assert warmup_factor(0, 0, 0.1) == 1.0  # no warmup
+    assert lr_scale(1024, 256, "linear") == 4.0
+    assert lr_scale(1024, 256, "sqrt") == 2.0
+    assert lr_scale(1024, 256, "none") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"warmup_epochs": 1, "warmup_steps": 5}, "not both"),
+        ({"start_factor": 0.0}, "start_factor must be in"),
+        ({"schedule": "cosine"}, "schedule='cosine'"),
+        ({"scale_lr": "quadratic"}, "scale_lr='quadratic'"),
+        ({"warmup_steps": -1}, "must be >= 0"),
+    ],
+)
+def test_warmup_rejects_bad_settings(kwargs, message):
+    with pytest.raises(UserError, match=message):
+        LRWarmup(**kwargs)
+
+
+def logged_lrs(version_dir) -> dict[int, float]:
+    with open(version_dir / "metrics.csv") as f:
+        return {int(r["step"]): float(r["train/lr"]) for r in csv.DictReader(f) if r.get("train/lr")}
+
+
+def expected_lr(step: int, *, global_batch: int, warmup: int = 6, main=lambda t: 0.1) -> float:
+    """0.1 (the default SGD lr) x linear rule (reference 32) x linear warmup from 0.1 over ``warmup`` steps."""
+    return main(step) * global_batch / 32 * warmup_factor(step, warmup, 0.1)
+
+
+WARMUP = [
+    "--trainer.callbacks+=app.callbacks.LRWarmup",
+    "--trainer.callbacks.warmup_steps=6",
+    "--trainer.callbacks.scale_lr=linear",
+    "--trainer.callbacks.reference_batch=32",
+]
+
+
+def check_lrs(version_dir, steps: int, **kwargs) -> None:
+    lrs = logged_lrs(version_dir)
+    assert sorted(lrs) == list(range(steps)), lrs  # one value per optimizer step, none for accumulating batches
+    for step, lr in lrs.items():
+        assert lr == pytest.approx(expected_lr(step, **kwargs), rel=1e-6), step
+
+
+def cli_fit(workdir, data_dir, *extra: str) -> None:
+    """``python cli.py fit`` on the CPU test preset in a fresh interpreter (multi-process strategies need one)."""
+    cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG), "--data.data_dir"]
+    cmd += [str(data_dir), "--trainer.max_epochs=1", *extra]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=workdir, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+def test_warmup_composes_with_a_step_scheduler_single_device(workdir, data_dir, caplog):
+    """8 steps, batch 16: StepLR halves every 3 steps underneath, unshifted; warmup and scale multiply it."""
+    scheduler = [
+        "--model.lr_scheduler=StepLR",
+        "--model.lr_scheduler.step_size=3",
+        "--model.lr_scheduler.gamma=0.5",
+        "--model.lr_scheduler_interval=step",
+    ]
+    run_cli(
+        "fit",
+        "--config",
+        str(CPU_TEST_CONFIG),
+        "--data.data_dir",
+        str(data_dir),
+        "--trainer.max_epochs=1",
+        *WARMUP,
+        *scheduler,
+    )
+    check_lrs(workdir / "lightning_logs" / "version_0", 8, global_batch=16, main=lambda t: 0.1 * 0.5 ** (t // 3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("strategy", "extra", "steps", "global_batch"),
+    [
+        ("ddp", [], 8, 32),  # 16 per device x 2 processes
+        ("dp", [], 8, 32),  # 16 per device x 2 devices in one process
+        ("ddp", ["--trainer.accumulate_grad_batches=2"], 4, 64),  # x 2 accumulation; 8 batches = 4 steps
+    ],
+)
+def test_warmup_and_scaling_rule_under_strategies(workdir, data_dir, strategy, extra, steps, global_batch):
+    result = cli_fit(workdir, data_dir, f"--trainer.strategy={strategy}", "--trainer.devices=2", *WARMUP, *extra)
+    check_lrs(workdir / "lightning_logs" / "version_0", steps, global_batch=global_batch)
+    assert f"global batch {global_batch} = 16 per device x 2 devices" in result.stderr + result.stdout
+
+
+@pytest.mark.slow
+def test_warmup_resumes_mid_warmup(workdir, data_dir):
+    """Stop after 4 of 6 warmup steps, resume from last.ckpt: the LR carries on from step 4, as closed form says."""
+    base = ["--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--trainer.limit_train_batches=4"]
+    run_cli("fit", *base, "--trainer.max_epochs=1", *WARMUP)
+    last = workdir / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    run_cli("fit", *base, "--trainer.max_epochs=3", *WARMUP, "--ckpt_path", str(last))
+    lrs = logged_lrs(workdir / "lightning_logs" / "version_1")
+    assert sorted(lrs) == list(range(4, 12))
+    for step, lr in lrs.items():
+        assert lr == pytest.approx(expected_lr(step, global_batch=16), rel=1e-6), step
+
+
+# ================================================================================================ checkpointing
+class Block(nn.Module):
+    """A residual block with dropout: recomputation must replay the same mask."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv, self.bn, self.drop = (
+            nn.Conv2d(channels, channels, 3, padding=1),
+            nn.BatchNorm2d(channels),
+            nn.Dropout(0.3),
+        )
+
+    def forward(self, x):
+        return x + self.drop(torch.relu(self.bn(self.conv(x))))
+
+
+def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool = False):
+    model.zero_grad()
+    torch.manual_seed(7)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+    loss.backward()
+    return (
+        loss.detach(),
+        {n: p.grad.clone() for n, p in model.named_parameters()},
+        {n: b.clone() for n, b in model.named_buffers()},
+    )
+
+
+def _dropout_net() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), Block(8), Block(8), nn.Flatten(), nn.Linear(8 * 28 * 28, 10))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize(
+    ("build", "targets"),
+    [(lambda: build_resnet("resnet_tiny"), ("BasicBlock",)), (_dropout_net, ("1", "2"))],
+    ids=["resnet_tiny-batchnorm", "dropout-blocks-by-path"],
+)
+def test_checkpointing_changes_no_loss_gradient_or_buffer(build, targets, autocast):
+    torch.manual_seed(0)
+    plain = build().train()
+    ckpt = build().train()
+    ckpt.load_state_dict(plain.state_dict())
+    assert apply_activation_checkpointing(ckpt, targets)
+    x, y = torch.randn(6, 1, 28, 28), torch.randint(0, 10, (6,))
+    for _ in range(2):  # the second step starts from the buffers the first one left
+        loss, grads, buffers = _step(plain, x, y, autocast)
+        loss_c, grads_c, buffers_c = _step(ckpt, x, y, autocast)
+        torch.testing.assert_close(loss_c, loss, atol=1e-6, rtol=1e-6)
+        for name in grads:
+            torch.testing.assert_close(grads_c[name], grads[name], atol=1e-6, rtol=1e-6)
+        for name in buffers:  # running stats updated once per step, num_batches_tracked == steps
+            torch.testing.assert_close(buffers_c[name], buffers[name], atol=1e-6, rtol=1e-6)
+    assert all(int(b) == 2 for n, b in buffers_c.items() if n.endswith("num_batches_tracked"))
+    remove_activation_checkpointing(ckpt)
+    assert not any(type(m).__name__.startswith("Checkpointed") for m in ckpt.modules())
+
+
+def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes kept for backward: every tensor autograd saves, plus the inputs the checkpointed blocks hold on to."""
+    storages: dict[int, int] = {}
+
+    def remember(t: torch.Tensor) -> None:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        remember(t)
+        return t
+
+    hooks = [
+        m.register_forward_pre_hook(lambda _, args: remember(args[0]))
+        for m in model.modules()
+        if type(m).__name__.startswith("Checkpointed")
+    ]
+    with saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()
+    for h in hooks:
+        h.remove()
+    return sum(storages.values())
+
+
+def test_checkpointing_halves_what_resnet18_keeps_for_backward():
+    torch.manual_seed(0)
+    model = build_resnet("resnet18").train()
+    x = torch.randn(32, 1, 28, 28)
+    before = saved_bytes(model, x)
+    apply_activation_checkpointing(model, ("BasicBlock",))
+    after = saved_bytes(model, x)
+    print(f"resnet18 batch 32 saved for backward: {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB")
+    assert after <= before / 2, (before, after)
+
+
+def test_checkpointing_that_matches_nothing_names_the_flag():
+    module = ImageClassifier(arch="resnet_tiny")
+    with pytest.raises(UserError, match=r"--trainer.callbacks.modules=\['Transformer'\] matches no module"):
+        ActivationCheckpointing(["Transformer"]).setup(None, module, "fit")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dp", "ddp_spawn", "horovod_self_launched"])
+def test_checkpointing_under_strategies_trains_like_one_device(parity, name):
+    reference = parity("reference", *REFERENCE)
+    result = parity(f"{name}_ckpt", *CASES[name], "--checkpointing")
+    assert relative_error(result, reference) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_all_callbacks_together_with_bf16_through_the_cli(workdir, data_dir, capsys):
+    run_cli(
+        "fit",
+        "--config",
+        str(CPU_TEST_CONFIG),
+        "--data.data_dir",
+        str(data_dir),
+        "--trainer.max_epochs=1",
+        "--trainer.precision=bf16-mixed",
+        "--trainer.callbacks+=app.callbacks.ActivationCheckpointing",
+        "--trainer.callbacks+=app.callbacks.SyncBatchNorm",
+        *WARMUP,
+    )
+    with open(workdir / "lightning_logs" / "version_0" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
+    out = capsys.readouterr().out
+    assert "Run report: single_device" in out and "peak memory MiB" in out
+
+
+# ================================================================================================ RunReport
+@pytest.mark.slow
+def test_run_report_rows_per_device_for_dp_and_ddp(workdir, data_dir):
+    for strategy in ("dp", "ddp"):
+        result = cli_fit(workdir, data_dir, f"--trainer.strategy={strategy}", "--trainer.devices=2")
+        out = result.stdout
+        assert f"Run report: {strategy}, 2 device(s)" in out, out[-2000:]
+        table = out[out.index("Run report") :]
+        rows = [line for line in table.splitlines() if line.startswith("│")]
+        assert len(rows) == 2 and all(" 8 " in row for row in rows), table  # 8 steps on each device
+        assert "epoch 0 | train loss" in result.stderr + out
