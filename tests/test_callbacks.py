@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
 
 from app.callbacks import ActivationCheckpointing, LRWarmup, SyncBatchNorm
 from app.callbacks.activation_checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
@@ -21,6 +20,7 @@ from app.callbacks.warmup import lr_scale, warmup_factor
 from app.errors import UserError
 from app.model import ImageClassifier
 from app.networks import build_resnet
+from bench.checkpointing import saved_bytes
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
 from tests.parity import CASES, REFERENCE, TOLERANCE, buffer_error, relative_error
 
@@ -303,29 +303,6 @@ def test_checkpointing_changes_no_loss_gradient_or_buffer(build, targets, autoca
     assert all(int(b) == 2 for n, b in buffers_c.items() if n.endswith("num_batches_tracked"))
     remove_activation_checkpointing(ckpt)
     assert not any(type(m).__name__.startswith("Checkpointed") for m in ckpt.modules())
-
-
-def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes kept for backward: every tensor autograd saves, plus the inputs the checkpointed blocks hold on to."""
-    storages: dict[int, int] = {}
-
-    def remember(t: torch.Tensor) -> None:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        remember(t)
-        return t
-
-    hooks = [
-        m.register_forward_pre_hook(lambda _, args: remember(args[0]))
-        for m in model.modules()
-        if type(m).__name__.startswith("Checkpointed")
-    ]
-    with saved_tensors_hooks(pack, lambda t: t):
-        model(x).sum()
-    for h in hooks:
-        h.remove()
-    return sum(storages.values())
 
 
 def test_checkpointing_halves_what_resnet18_keeps_for_backward():

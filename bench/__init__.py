@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print figures and ratios and record them under ``bench/results/``."""
