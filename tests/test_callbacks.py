@@ -122,6 +122,20 @@ def test_sync_batchnorm_ddp_and_horovod_train_like_one_device(parity, name):
     assert buffer_error(plain, reference) > 1e-3  # each rank's own statistics: not the global batch's
 
 
+@pytest.mark.slow
+def test_sync_batchnorm_with_trainer_sync_batchnorm_too_converts_once(workdir, data_dir):
+    """Lightning's own conversion (torch.nn.SyncBatchNorm) would fail on CPU: the callback's is the only one."""
+    result = cli_fit(
+        workdir,
+        data_dir,
+        "--trainer.strategy=ddp",
+        "--trainer.devices=2",
+        "--trainer.sync_batchnorm=true",
+        "--trainer.callbacks+=app.callbacks.SyncBatchNorm",
+    )
+    assert "BatchNorm layers synchronized across 2 processes (AllReduceBatchNorm" in result.stdout + result.stderr
+
+
 def test_sync_batchnorm_is_a_no_op_on_one_process_and_warns_under_dp(workdir, data_dir, capsys):
     module = ImageClassifier(arch="resnet_tiny")
     from lightning.pytorch import Trainer
