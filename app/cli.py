@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 import sys
 
 from lightning.pytorch.cli import LightningCLI
@@ -29,6 +30,7 @@ DEFAULT_CALLBACKS = [
         },
     },
     {"class_path": "app.callbacks.RunReport"},
+    {"class_path": "app.callbacks.PredictionWriter"},
 ]
 
 
@@ -97,8 +99,16 @@ def check_strategy_name(strategy) -> None:
         )
 
 
+# Subcommands that are not Lightning's: they take their own flags (``python cli.py plot --help``).
+TOOLS = {"plot": "app.plot", "export": "app.export"}
+
+
 def main(args: list[str] | None = None) -> CLI | None:
+    argv = sys.argv[1:] if args is None else list(args)
     try:
+        if argv and argv[0] in TOOLS:
+            importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
+            return None
         return CLI(
             ImageClassifier,
             FashionMNISTDataModule,

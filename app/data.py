@@ -32,6 +32,8 @@ from app.errors import UserError
 from app.idx import DataFileError, md5sum, read_idx, write_idx
 
 Source = Literal["auto", "fashion_mnist", "synthetic"]
+Invert = Literal["auto", "always", "never"]
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training-set pixel statistics, on the [0, 1] scale
 CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
@@ -75,6 +77,8 @@ class FashionMNISTDataModule(LightningDataModule):
         augment: bool = False,
         num_workers: int = 0,
         seed: int = 42,
+        predict_dir: str | None = None,
+        predict_invert: Invert = "auto",
     ) -> None:
         """
         Args:
@@ -87,6 +91,10 @@ class FashionMNISTDataModule(LightningDataModule):
             augment: Random crop (4-pixel padding) and horizontal flip, done on the device, training only.
             num_workers: DataLoader workers. 0 is usually fastest: a batch is one tensor indexing op.
             seed: Seed of the train/val split and of the shuffling order.
+            predict_dir: ``predict`` on the PNG/JPEG images of this folder instead of the test set. Each image is
+                read as grayscale and resized to 28x28.
+            predict_invert: Fashion-MNIST shows light clothes on a dark background. ``auto`` inverts an image
+                whose border is lighter than its centre (a photo on a white background); ``always``/``never``.
         """
         super().__init__()
         if batch_size <= 0:
@@ -97,9 +105,12 @@ class FashionMNISTDataModule(LightningDataModule):
             raise UserError(f"--data.num_workers must be >= 0, got {num_workers}")
         if source not in Source.__args__:
             raise UserError(f"--data.source={source!r} must be one of {', '.join(Source.__args__)}")
+        if predict_invert not in Invert.__args__:
+            raise UserError(f"--data.predict_invert={predict_invert!r} must be one of {', '.join(Invert.__args__)}")
         self.save_hyperparameters()
         self.data_dir = Path(data_dir)
-        self.train_set = self.val_set = self.test_set = None
+        self.train_set = self.val_set = self.test_set = self.predict_set = None
+        self.predict_names: list[str] = []  # what each predicted sample is: a file name, or "test[i]"
 
     # ------------------------------------------------------------------ files
     @property
@@ -205,8 +216,15 @@ class FashionMNISTDataModule(LightningDataModule):
             val_idx, train_idx = perm[: self.hparams.val_size], perm[self.hparams.val_size :]
             self.train_set = TensorImageDataset(images[train_idx], labels[train_idx])
             self.val_set = TensorImageDataset(images[val_idx], labels[val_idx])
+        if stage == "predict" and self.hparams.predict_dir:
+            images, self.predict_names = load_image_folder(self.hparams.predict_dir, self.hparams.predict_invert)
+            self.predict_set = TensorImageDataset(images, torch.full((len(images),), -1))
+            return
         if stage in ("test", "predict") and self.test_set is None:
             self.test_set = TensorImageDataset(*self.load_split("test"))
+        if stage == "predict":
+            self.predict_set = self.test_set
+            self.predict_names = [f"test[{i}]" for i in range(len(self.test_set))]
         if stage == "fit" and self.trainer is not None:
             self._log_batch_size()
 
@@ -265,7 +283,7 @@ class FashionMNISTDataModule(LightningDataModule):
         return self._loader(self.test_set, train=False)
 
     def predict_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set, train=False)
+        return self._loader(self.predict_set, train=False)
 
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         if not isinstance(batch, (tuple, list)) or batch[0].dtype != torch.uint8:
@@ -275,3 +293,32 @@ class FashionMNISTDataModule(LightningDataModule):
         if self.hparams.augment and self.trainer is not None and self.trainer.training:
             images = random_crop_flip(images, padding=4)
         return normalize(images, MEAN, STD), labels
+
+
+def load_image_folder(folder: str | Path, invert: Invert = "auto") -> tuple[torch.Tensor, list[str]]:
+    """The PNG/JPEG images of ``folder`` (sorted by name) as uint8 ``[N, 28, 28]`` in Fashion-MNIST's polarity."""
+    from torchvision.io import ImageReadMode, decode_image
+    from torchvision.transforms.v2.functional import resize
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UserError(f"--data.predict_dir={str(folder)!r} is not a folder; give a folder of .png/.jpg images")
+    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise UserError(f"--data.predict_dir={str(folder)!r} holds no .png/.jpg/.jpeg images")
+    images = []
+    for path in files:
+        try:
+            image = decode_image(str(path), mode=ImageReadMode.GRAY)  # [1, H, W] uint8
+        except RuntimeError as err:
+            raise UserError(f"{path}: not a readable image ({err}); remove it from --data.predict_dir") from None
+        image = resize(image, [28, 28], antialias=True)[0]
+        if invert == "always" or (invert == "auto" and _border_is_lighter(image)):
+            image = 255 - image
+        images.append(image)
+    return torch.stack(images), [p.name for p in files]
+
+
+def _border_is_lighter(image: torch.Tensor) -> bool:
+    border = torch.cat([image[0], image[-1], image[:, 0], image[:, -1]]).float().mean()
+    return bool(border > image[7:21, 7:21].float().mean())

@@ -138,9 +138,26 @@ def network_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
 
 
+def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
+    """A checkpoint of this project, loaded safely (``weights_only``: plain data, nothing executed)."""
+    path = Path(ckpt_path)
+    if str(ckpt_path).startswith(("http://", "https://")):
+        raise UserError(f"{ckpt_path}: remote checkpoints are not loaded; download it and pass the local file")
+    if not path.is_file():
+        raise UserError(f"{path}: no such checkpoint file; pass --ckpt_path lightning_logs/version_N/checkpoints/...")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated, not a checkpoint, or carrying pickled objects
+        reason = str(err).strip().splitlines()[0][:200]
+        raise UserError(f"{path}: not a loadable checkpoint ({type(err).__name__}: {reason})") from None
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "hyper_parameters" not in checkpoint:
+        raise UserError(f"{path}: not a checkpoint written by `cli.py fit` (no state_dict / hyper_parameters)")
+    return checkpoint
+
+
 def load_network(ckpt_path: str | Path) -> nn.Module:
     """Rebuild the network a checkpoint was trained with and load its weights (``weights_only``, strict)."""
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    checkpoint = load_checkpoint(ckpt_path)
     hp = checkpoint["hyper_parameters"]
     net = build_resnet(hp["arch"], num_classes=hp["num_classes"], norm=hp.get("norm", "batch"))
     net.load_state_dict(network_state_dict(checkpoint), strict=True)

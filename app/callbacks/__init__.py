@@ -1,8 +1,16 @@
 """Lightning callbacks of the template; each can be added with ``--trainer.callbacks+=app.callbacks.NAME``."""
 
 from app.callbacks.activation_checkpointing import ActivationCheckpointing
+from app.callbacks.prediction_writer import PredictionWriter
 from app.callbacks.run_report import RunReport
 from app.callbacks.sync_batchnorm import AllReduceBatchNorm, SyncBatchNorm
 from app.callbacks.warmup import LRWarmup
 
-__all__ = ["ActivationCheckpointing", "AllReduceBatchNorm", "LRWarmup", "RunReport", "SyncBatchNorm"]
+__all__ = [
+    "ActivationCheckpointing",
+    "AllReduceBatchNorm",
+    "LRWarmup",
+    "PredictionWriter",
+    "RunReport",
+    "SyncBatchNorm",
+]

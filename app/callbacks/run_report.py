@@ -84,6 +84,8 @@ class RunReport(Callback):
             f"({strategy_name(trainer)})",
         ]
         rank_zero_info(" | ".join(parts))
+        pl_module.log("perf/images_per_s", images / max(self._train_seconds, 1e-9), on_epoch=True, batch_size=1)
+        pl_module.log("perf/epoch_seconds", seconds, on_epoch=True, batch_size=1)
 
     # ---------------------------------------------------------------- the table per device
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -1,0 +1,79 @@
+"""``python cli.py export``: a trained checkpoint as a plain network file that needs no Lightning to use.
+
+    python cli.py export --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --out model.pt
+
+The file is a dict of plain data (it loads with ``torch.load(path, weights_only=True)``):
+
+- ``state_dict``: the network's weights with torchvision's names (no ``net.``/``module.`` prefixes);
+- ``network``: the arguments of :func:`app.networks.build_resnet` that rebuild it (arch, num_classes, norm);
+- ``classes``, ``normalize`` (mean, std) and ``input`` (``[1, 28, 28]``): how to feed it and read its output.
+
+To use it::
+
+    from app.export import load_exported
+    net = load_exported("model.pt")            # eval mode
+    probs = net((images / 255 - 0.2860) / 0.3530).softmax(1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from app.data import CLASSES, MEAN, STD
+from app.errors import UserError
+from app.model import load_checkpoint, network_state_dict
+from app.networks import build_resnet
+
+FORMAT = "fashion-resnet-export/1"
+
+
+def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise UserError(f"--out {out} already exists; choose another path or pass --overwrite")
+    checkpoint = load_checkpoint(ckpt_path)
+    hp = checkpoint.get("hyper_parameters", {})
+    network = {"arch": hp["arch"], "num_classes": hp["num_classes"], "norm": hp.get("norm", "batch")}
+    payload: dict[str, Any] = {
+        "format": FORMAT,
+        "network": network,
+        "state_dict": network_state_dict(checkpoint),
+        "classes": list(CLASSES[: network["num_classes"]]),
+        "normalize": {"mean": MEAN, "std": STD},
+        "input": [1, 28, 28],
+        "trained_on": hp.get("resolved_source", "unknown"),
+        "global_step": checkpoint.get("global_step"),
+    }
+    build_resnet(**network).load_state_dict(payload["state_dict"], strict=True)  # refuse to write a broken file
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    torch.save(payload, partial)
+    os.replace(partial, out)  # a reader never sees half a file
+    return out
+
+
+def load_exported(path: str | Path) -> nn.Module:
+    """Rebuild the exported network and load its weights (``weights_only``, strict); returns it in eval mode."""
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise UserError(f"{path}: not a file written by `python cli.py export`")
+    net = build_resnet(**payload["network"])
+    net.load_state_dict(payload["state_dict"], strict=True)
+    return net.eval()
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="cli.py export", description=__doc__.splitlines()[0])
+    parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by `cli.py fit`")
+    parser.add_argument("--out", required=True, help="the file to write, e.g. model.pt")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    args = parser.parse_args(argv)
+    path = export(args.ckpt_path, args.out, args.overwrite)
+    print(f"exported {args.ckpt_path} -> {path}", file=sys.stderr)

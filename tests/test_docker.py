@@ -1,0 +1,99 @@
+"""What can be checked of the Dockerfile and the multi-node launch files without a Docker engine or a cluster."""
+
+import configparser
+import re
+import shlex
+import subprocess
+
+import yaml
+
+from tests.conftest import ROOT
+
+DOCKERFILE = (ROOT / "Dockerfile").read_text()
+INSTRUCTIONS = [
+    line.strip()
+    for line in re.sub(r"\\\n", " ", DOCKERFILE).splitlines()
+    if line.strip() and not line.lstrip().startswith("#")
+]
+
+
+def instruction(name: str) -> list[str]:
+    return [line[len(name) + 1 :].strip() for line in INSTRUCTIONS if line.upper().startswith(name + " ")]
+
+
+def test_base_image_is_a_cuda_pytorch_pinned_to_an_exact_tag():
+    (base,) = instruction("FROM")
+    image, _, tag = base.partition(":")
+    assert image == "pytorch/pytorch" and "cuda" in tag
+    assert re.fullmatch(r"\d+\.\d+\.\d+-cuda\d+\.\d+-cudnn\d+-runtime", tag), tag  # not "latest", not a floating tag
+
+
+def test_runs_as_a_non_root_user_with_cli_py_as_entrypoint():
+    users = instruction("USER")
+    assert users and users[-1] not in ("root", "0")
+    assert yaml.safe_load(instruction("ENTRYPOINT")[-1]) == ["python", "cli.py"]
+    volumes = yaml.safe_load(instruction("VOLUME")[-1])
+    assert {"/app/data", "/app/lightning_logs"} <= set(volumes)
+
+
+def test_installs_the_same_requirement_set_as_ci():
+    """CI runs `make test` = pip install -e ".[dev]"; the image installs dev's runtime extras from the same file."""
+    (run,) = [r for r in instruction("RUN") if "pip install" in r]
+    (target,) = [a for a in shlex.split(run) if a.startswith(".[")]
+    image_extras = set(target[2:-1].split(","))
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(ROOT / "setup.cfg")
+    dev = cfg["options.extras_require"]["dev"]
+    ci_extras = set(re.findall(r"%\((\w+)\)s", dev))
+    assert "mpi" in image_extras
+    assert image_extras == ci_extras, (image_extras, ci_extras)
+    assert "-r " not in run and "==" not in run  # no second, diverging requirement list
+
+
+def test_every_copied_file_exists_and_dockerignore_keeps_data_out():
+    for copy in instruction("COPY"):
+        *sources, _ = shlex.split(copy)
+        for source in sources:
+            assert (ROOT / source).exists(), source
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {"data", "lightning_logs", ".venv"} <= set(ignored)
+
+
+def test_slurm_script_matches_its_preset():
+    script = ROOT / "scripts" / "slurm_multinode.sbatch"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.M))
+    for config in re.findall(r"--config (\S+\.yaml)", text):
+        assert (ROOT / config).is_file(), config
+    preset = yaml.safe_load((ROOT / "configs" / "multinode_ddp.yaml").read_text())["trainer"]
+    assert int(sbatch["nodes"]) == preset["num_nodes"]
+    assert int(sbatch["ntasks-per-node"]) == preset["devices"] == int(sbatch["gpus-per-node"])
+    assert "srun python cli.py fit" in text
+
+
+def test_launch_presets_compose_with_the_full_recipe(workdir, capsys):
+    import pytest
+
+    from tests.conftest import run_cli
+
+    for name, strategy, nodes in [
+        ("ddp_4gpu", "ddp", 1),
+        ("multinode_ddp", "ddp", 2),
+        ("multinode_horovod", "horovod", 2),
+    ]:
+        with pytest.raises(SystemExit):
+            run_cli(
+                "fit",
+                "--config",
+                str(ROOT / "configs" / "fashion_mnist.yaml"),
+                "--config",
+                str(ROOT / "configs" / f"{name}.yaml"),
+                "--print_config",
+            )
+        config = yaml.safe_load(capsys.readouterr().out)
+        assert config["model"]["arch"] == "resnet18" and config["data"]["augment"] is True
+        trainer = config["trainer"]
+        assert (trainer["strategy"], trainer["num_nodes"], trainer["devices"]) == (strategy, nodes, 4)
+        callbacks = [c["class_path"] for c in trainer["callbacks"]]
+        assert "app.callbacks.LRWarmup" in callbacks and "lightning.pytorch.callbacks.ModelCheckpoint" in callbacks

@@ -1,0 +1,170 @@
+"""plot, export and predict-on-a-folder, from a real short training run."""
+
+import csv
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torchvision.io import decode_image, write_png
+
+from app.data import MEAN, STD
+from app.export import load_exported
+from app.idx import read_idx
+from app.model import ImageClassifier, load_network
+from app.networks import build_resnet
+from app.plot import epoch_metrics
+from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, data_dir):
+    """One 2-epoch run of the CPU preset: lightning_logs/version_0 with metrics and checkpoints."""
+    workdir = tmp_path_factory.mktemp("run")
+    cwd = os.getcwd()
+    os.chdir(workdir)
+    try:
+        run_cli("fit", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir))
+    finally:
+        os.chdir(cwd)
+    return workdir / "lightning_logs" / "version_0"
+
+
+def cli(*args: str, cwd) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "cli.py"), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def normalized(images: torch.Tensor) -> torch.Tensor:
+    return (images.unsqueeze(1).float() / 255 - MEAN) / STD
+
+
+# ------------------------------------------------------------------------------------------------ plot
+def test_plot_draws_loss_accuracy_and_speed_of_a_real_run(run_dir, tmp_path):
+    series = epoch_metrics(run_dir / "metrics.csv")
+    for name in ("train/loss_epoch", "val/loss", "train/acc", "val/acc", "perf/images_per_s"):
+        assert [epoch for epoch, _ in series[name]] == [0, 1], name
+    assert all(v > 0 for _, v in series["perf/images_per_s"])
+
+    result = cli("plot", str(run_dir), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    png = run_dir / "plot.png"
+    image = decode_image(str(png))
+    assert image.shape[0] in (3, 4) and image.shape[1] > 200 and image.shape[2] > 600
+    assert image.float().std() > 10  # lines and text, not a blank canvas
+
+
+def exit_code_and_stderr(capsys, *args: str) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli(*args)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+def test_plot_of_a_folder_without_metrics_names_it(tmp_path, capsys):
+    code, err = exit_code_and_stderr(capsys, "plot", str(tmp_path))
+    assert code == 2
+    assert f"error: {tmp_path / 'metrics.csv'}: not found" in err
+
+
+# ------------------------------------------------------------------------------------------------ export
+def test_export_rebuilds_the_network_with_identical_predictions(run_dir, tmp_path):
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    out = tmp_path / "model.pt"
+    result = cli("export", "--ckpt_path", str(ckpt), "--out", str(out), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+    payload = torch.load(out, weights_only=True)  # plain data
+    assert payload["network"] == {"arch": "resnet_tiny", "num_classes": 10, "norm": "batch"}
+    assert not any(k.startswith(("net.", "module.")) for k in payload["state_dict"])
+    fresh = build_resnet(**payload["network"])
+    fresh.load_state_dict(payload["state_dict"], strict=True)
+
+    module = ImageClassifier.load_from_checkpoint(ckpt, map_location="cpu", weights_only=True).eval()
+    x = torch.randn(16, 1, 28, 28)
+    with torch.no_grad():
+        expected = module(x)
+        assert torch.equal(fresh.eval()(x), expected)
+        assert torch.equal(load_exported(out)(x), expected)
+
+    again = cli("export", "--ckpt_path", str(ckpt), "--out", str(out), cwd=tmp_path)
+    assert again.returncode == 2 and "already exists; choose another path or pass --overwrite" in again.stderr
+    assert torch.equal(
+        torch.load(out, weights_only=True)["state_dict"]["fc.weight"], payload["state_dict"]["fc.weight"]
+    )
+
+
+@pytest.mark.parametrize("case", ["missing", "truncated"])
+def test_export_of_a_bad_checkpoint_is_one_line(run_dir, tmp_path, case, capsys):
+    ckpt = tmp_path / "bad.ckpt"
+    if case == "truncated":
+        data = (run_dir / "checkpoints" / "last.ckpt").read_bytes()
+        ckpt.write_bytes(data[: len(data) // 2])
+    code, err = exit_code_and_stderr(capsys, "export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "m.pt"))
+    assert code == 2 and err.startswith(f"error: {ckpt}: ") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "m.pt").exists()
+
+
+# ------------------------------------------------------------------------------------------------ predict
+def read_predictions(version_dir) -> list[dict]:
+    with open(version_dir / "predictions.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.slow
+def test_predict_on_a_folder_of_png_images(run_dir, data_dir, workdir):
+    images = read_idx(data_dir / "FashionMNIST-synthetic" / "raw" / "t10k-images-idx3-ubyte")[:12]
+    images = torch.as_tensor(images)
+    folder = workdir / "photos"
+    folder.mkdir()
+    for i, image in enumerate(images):
+        write_png(image[None], str(folder / f"item{i:02d}.png"))
+    write_png((255 - images[3])[None], str(folder / "item03_inverted.png"))  # dark on light, as a photo would be
+    (folder / "notes.txt").write_text("not an image, ignored")
+
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    run_cli(
+        "predict",
+        "--config",
+        str(CPU_TEST_CONFIG),
+        "--data.data_dir",
+        str(data_dir),
+        "--ckpt_path",
+        str(ckpt),
+        "--data.predict_dir",
+        str(folder),
+    )
+    rows = read_predictions(workdir / "lightning_logs" / "version_0")
+    assert [r["name"] for r in rows] == sorted(p.name for p in folder.glob("*.png"))
+
+    with torch.no_grad():
+        expected = load_network(ckpt)(normalized(images)).argmax(1).tolist()
+    by_name = {r["name"]: int(r["pred"]) for r in rows}
+    assert [by_name[f"item{i:02d}.png"] for i in range(12)] == expected
+    assert by_name["item03_inverted.png"] == by_name["item03.png"]  # auto-inverted back to Fashion-MNIST polarity
+    assert all(0 < float(r["prob"]) <= 1 and r["label"] == "-1" for r in rows)
+
+
+@pytest.mark.slow
+def test_predict_on_the_test_set_writes_true_labels(run_dir, data_dir, workdir):
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    run_cli("predict", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--ckpt_path", str(ckpt))
+    rows = read_predictions(workdir / "lightning_logs" / "version_0")
+    assert len(rows) == 2 * 16  # limit_predict_batches=2, batch 16
+    assert [r["name"] for r in rows[:2]] == ["test[0]", "test[1]"]
+    assert all(0 <= int(r["label"]) < 10 for r in rows)
+
+
+def test_predict_dir_that_does_not_exist_is_one_line(workdir, data_dir, capsys):
+    code, err = exit_code_and_stderr(
+        capsys,
+        "predict",
+        "--config",
+        str(CPU_TEST_CONFIG),
+        "--data.data_dir",
+        str(data_dir),
+        "--data.predict_dir",
+        "no/such/folder",
+    )
+    assert code == 2
+    assert "error: --data.predict_dir='no/such/folder' is not a folder" in err
