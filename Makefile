@@ -29,12 +29,12 @@ test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest $(ARGS)
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check app tests cli.py
-	$(BIN)/ruff format --check app tests cli.py
+	$(BIN)/ruff check app tests bench cli.py
+	$(BIN)/ruff format --check app tests bench cli.py
 
 format: $(VENV)/.installed-dev
-	$(BIN)/ruff check --fix app tests cli.py
-	$(BIN)/ruff format app tests cli.py
+	$(BIN)/ruff check --fix app tests bench cli.py
+	$(BIN)/ruff format app tests bench cli.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
