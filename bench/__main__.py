@@ -1,0 +1,232 @@
+"""Training speed, measured three ways on the same network, batch and device, in one run.
+
+    python -m bench                                   # CPU: resnet_tiny, batch 256 (minutes on 2 cores)
+    python -m bench --arch resnet18 --batch-size 256 --precision bf16-mixed --channels-last --compile   # a GPU
+
+1. ``plain``: a plain PyTorch loop (no Lightning) over the same uint8 tensors: the ceiling for our overhead.
+2. ``cli.py fit`` with each strategy that runs on this machine (one device; on CPU also ddp with 2 processes),
+   read back from the run's ``perf/images_per_s`` (training time of the last epoch, validation off).
+3. the data pipeline alone: our loader (one indexing op per batch, transforms on the device) against
+   torchvision's ``FashionMNIST`` + ``DataLoader`` with per-sample ``ToTensor``/``Normalize``.
+
+Prints images/s, seconds per 55k-image epoch, the ratio to the plain loop and the fraction of the FLOP ceiling
+(FLOPs counted with ``torch.utils.flop_counter``; the peak from ``--peak-tflops`` or a table of known GPUs), and
+writes ``bench/results/speed-<device>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from app.data import MEAN, STD, FashionMNISTDataModule
+from app.networks import build_resnet
+from bench.report import record
+
+ROOT = Path(__file__).resolve().parents[1]
+EPOCH_IMAGES = 55_000
+PEAK_TFLOPS = {  # dense, per GPU: (bf16/fp16 tensor cores, fp32 / tf32)
+    "H200": (989.0, 494.0),
+    "H100": (989.0, 494.0),
+    "A100": (312.0, 156.0),
+    "V100": (125.0, 15.7),
+}
+
+
+def flops_per_image(arch: str) -> float:
+    """Training FLOPs (forward + backward) per 28x28 image, counted by torch."""
+    net = build_resnet(arch)
+    x = torch.randn(2, 1, 28, 28)
+    with FlopCounterMode(display=False) as counter:
+        net(x).sum().backward()
+    return counter.get_total_flops() / 2
+
+
+def peak_flops(device: torch.device, precision: str, given: float | None) -> float | None:
+    if given:
+        return given * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (half, full) in PEAK_TFLOPS.items():
+        if key in name:
+            return (half if "16" in precision else full) * 1e12
+    return None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------------ 1. plain loop
+def plain_loop(args, device: torch.device, images: torch.Tensor, labels: torch.Tensor) -> float:
+    torch.manual_seed(0)
+    net = build_resnet(args.arch).to(device)
+    if args.channels_last:
+        net = net.to(memory_format=torch.channels_last)
+    if args.compile:
+        net.compile()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
+    criterion = nn.CrossEntropyLoss()
+    autocast = args.precision == "bf16-mixed"
+    b = args.batch_size
+
+    def step(i: int) -> None:
+        idx = torch.randint(0, len(labels), (b,))
+        x = images[idx].to(device, non_blocking=True).unsqueeze(1).float().div_(255).sub_(MEAN).div_(STD)
+        y = labels[idx].to(device, non_blocking=True)
+        if args.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = criterion(net(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    for i in range(args.steps):  # warm-up: the same count as Lightning's first epoch
+        step(i)
+    synchronize(device)
+    start = time.perf_counter()
+    for i in range(args.steps):
+        step(i)
+    synchronize(device)
+    return args.steps * b / (time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------------------------------------ 2. cli.py fit
+def cli_fit(args, data_dir: Path, strategy: str, devices: int) -> float:
+    cmd = [
+        sys.executable, str(ROOT / "cli.py"), "fit",
+        f"--model.arch={args.arch}", f"--data.batch_size={args.batch_size}", f"--data.data_dir={data_dir}",
+        f"--data.source={args.source}", f"--trainer.accelerator={args.accelerator}",
+        f"--trainer.strategy={strategy}", f"--trainer.devices={devices}", "--trainer.max_epochs=2",
+        f"--trainer.limit_train_batches={args.steps}", "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=50",
+        f"--model.channels_last={args.channels_last}", f"--model.compile={args.compile}",
+    ]  # fmt: skip
+    if args.precision != "32":
+        cmd.append(f"--trainer.precision={args.precision}")
+    with tempfile.TemporaryDirectory() as workdir:
+        env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+        result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True, env=env)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+        with open(Path(workdir) / "lightning_logs" / "version_0" / "metrics.csv") as f:
+            values = [float(r["perf/images_per_s"]) for r in csv.DictReader(f) if r.get("perf/images_per_s")]
+    return values[-1]  # the second epoch: compiled, warmed up
+
+
+# ------------------------------------------------------------------------------------------------ 3. data pipeline
+def our_pipeline(args, device: torch.device, data: FashionMNISTDataModule, batches: int) -> float:
+    loader = data.train_dataloader()
+    synchronize(device)
+    start = time.perf_counter()
+    for i, (x, y) in enumerate(loader):
+        x, y = data.on_after_batch_transfer((x.to(device, non_blocking=True), y.to(device, non_blocking=True)), 0)
+        if i + 1 == batches:
+            break
+    synchronize(device)
+    return batches / (time.perf_counter() - start)
+
+
+def torchvision_pipeline(args, device: torch.device, raw_dir: Path, batches: int) -> float:
+    from torchvision import transforms
+    from torchvision.datasets import FashionMNIST
+
+    with tempfile.TemporaryDirectory() as root:
+        (Path(root) / "FashionMNIST").mkdir()
+        os.symlink(raw_dir, Path(root) / "FashionMNIST" / "raw")  # torchvision's layout, our files
+        transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((MEAN,), (STD,))])
+        dataset = FashionMNIST(root, train=True, download=False, transform=transform)
+        loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=0)
+        synchronize(device)
+        start = time.perf_counter()
+        for i, (x, y) in enumerate(loader):
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if i + 1 == batches:
+                break
+        synchronize(device)
+        return batches / (time.perf_counter() - start)
+
+
+# ------------------------------------------------------------------------------------------------ main
+def main() -> None:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="resnet18" if cuda else "resnet_tiny")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=100 if cuda else 30, help="timed steps (and as many warm-up)")
+    parser.add_argument("--precision", default="bf16-mixed" if cuda else "32", choices=["32", "bf16-mixed"])
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=cuda)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--peak-tflops", type=float, help="the device's peak for --precision (default: known GPUs)")
+    parser.add_argument("--data-dir", default="data")
+    parser.add_argument("--source", default="synthetic", choices=["synthetic", "fashion_mnist"])
+    parser.add_argument("--strategies", default="auto,dp,ddp", help="comma-separated; dp/ddp run on 1 device")
+    args = parser.parse_args()
+    args.accelerator = "gpu" if cuda else "cpu"
+    device = torch.device("cuda" if cuda else "cpu")
+
+    data = FashionMNISTDataModule(data_dir=args.data_dir, source=args.source, batch_size=args.batch_size)
+    data.prepare_data()
+    data.setup("fit")
+    images, labels = data.train_set.images, data.train_set.labels
+    raw_dir = (data.real_dir if data.resolve_source() == "fashion_mnist" else data.synthetic_dir).resolve()
+
+    per_image = flops_per_image(args.arch)
+    peak = peak_flops(device, args.precision, args.peak_tflops)
+    rows: list[dict] = []
+
+    def add(name: str, images_per_s: float, plain: float | None) -> None:
+        row = {
+            "run": name,
+            "images_per_s": images_per_s,
+            "s_per_epoch": EPOCH_IMAGES / images_per_s,
+            "vs_plain": images_per_s / plain if plain else "",
+            "tflops": images_per_s * per_image / 1e12,
+            "of_peak": images_per_s * per_image / peak if peak else "",
+        }
+        rows.append(row)
+        print(f"{name:28s} {images_per_s:10,.0f} img/s  {row['s_per_epoch']:8.2f} s/epoch  "
+              + (f"{row['vs_plain']:.3f} x plain" if plain else ""), flush=True)  # fmt: skip
+
+    plain = plain_loop(args, device, images, labels)
+    add("plain PyTorch loop", plain, plain)
+    for strategy in [s for s in args.strategies.split(",") if s]:
+        add(f"cli.py fit {strategy} x1", cli_fit(args, Path(args.data_dir).resolve(), strategy, 1), plain)
+    if not cuda and "ddp" in args.strategies:
+        add("cli.py fit ddp x2 (processes)", cli_fit(args, Path(args.data_dir).resolve(), "ddp", 2), plain)
+
+    batches = min(args.steps * 4, len(labels) // args.batch_size)
+    ours = our_pipeline(args, device, data, batches)
+    theirs = torchvision_pipeline(args, device, raw_dir, batches)
+    for name, value in (("data pipeline alone: ours", ours), ("data: torchvision per-sample", theirs)):
+        rows.append({"run": name, "images_per_s": value * args.batch_size, "vs_plain": ""})
+    rows.append({"run": "data: ours / torchvision", "images_per_s": "", "vs_plain": ours / theirs})
+    print(f"data pipeline: ours {ours:,.1f} batches/s, torchvision per-sample {theirs:,.1f} -> {ours / theirs:.1f}x")
+
+    notes = (
+        f"{args.arch}, batch {args.batch_size} per device, precision {args.precision}, channels_last "
+        f"{args.channels_last}, compile {args.compile}, {args.steps} timed steps after {args.steps} warm-up; "
+        f"{per_image / 1e9:.2f} GFLOP per training image; peak {peak / 1e12 if peak else 'unknown'} TFLOP/s. "
+        "vs_plain: images/s relative to the plain loop (for the data rows: ours / torchvision)."
+    )
+    columns = ["run", "images_per_s", "s_per_epoch", "vs_plain", "tflops", "of_peak"]
+    path = record(f"speed-{args.arch}-b{args.batch_size}", "bench", rows, columns, notes)
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
