@@ -201,6 +201,11 @@ def check_lrs(version_dir, steps: int, **kwargs) -> None:
         assert lr == pytest.approx(expected_lr(step, **kwargs), rel=1e-6), step
 
 
+def fit_one_epoch(data_dir, *extra: str) -> None:
+    """``cli.py fit`` on the CPU test preset, one epoch, in this process."""
+    run_cli("fit", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--trainer.max_epochs=1", *extra)
+
+
 def cli_fit(workdir, data_dir, *extra: str) -> None:
     """``python cli.py fit`` on the CPU test preset in a fresh interpreter (multi-process strategies need one)."""
     cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG), "--data.data_dir"]
@@ -219,16 +224,7 @@ def test_warmup_composes_with_a_step_scheduler_single_device(workdir, data_dir, 
         "--model.lr_scheduler.gamma=0.5",
         "--model.lr_scheduler_interval=step",
     ]
-    run_cli(
-        "fit",
-        "--config",
-        str(CPU_TEST_CONFIG),
-        "--data.data_dir",
-        str(data_dir),
-        "--trainer.max_epochs=1",
-        *WARMUP,
-        *scheduler,
-    )
+    fit_one_epoch(data_dir, *WARMUP, *scheduler)
     check_lrs(workdir / "lightning_logs" / "version_0", 8, global_batch=16, main=lambda t: 0.1 * 0.5 ** (t // 3))
 
 
@@ -346,13 +342,8 @@ def test_checkpointing_under_strategies_trains_like_one_device(parity, name):
 
 @pytest.mark.slow
 def test_all_callbacks_together_with_bf16_through_the_cli(workdir, data_dir, capsys):
-    run_cli(
-        "fit",
-        "--config",
-        str(CPU_TEST_CONFIG),
-        "--data.data_dir",
-        str(data_dir),
-        "--trainer.max_epochs=1",
+    fit_one_epoch(
+        data_dir,
         "--trainer.precision=bf16-mixed",
         "--trainer.callbacks+=app.callbacks.ActivationCheckpointing",
         "--trainer.callbacks+=app.callbacks.SyncBatchNorm",
