@@ -47,7 +47,7 @@ class RunReport(Callback):
         n = len(batch[1])
         self._images += n
         loss = outputs.get("batch_loss", outputs["loss"]) if isinstance(outputs, dict) else outputs
-        self._loss_sum += float(loss) * n
+        self._loss_sum = self._loss_sum + loss.detach().double() * n  # stays on the device: no sync per step
         self._run["steps"] += 1
 
     def _pause(self) -> None:
@@ -69,7 +69,8 @@ class RunReport(Callback):
         self._run["images"] += self._images
         self._run["seconds"] += self._train_seconds
         # Every rank reaches this hook, so the reduction is safe; it makes the numbers global.
-        totals = torch.tensor([self._images, self._loss_sum], dtype=torch.float64, device=pl_module.device)
+        loss_sum = torch.as_tensor(self._loss_sum, dtype=torch.float64, device=pl_module.device).reshape(1)
+        totals = torch.cat([torch.tensor([self._images], dtype=torch.float64, device=pl_module.device), loss_sum])
         totals = trainer.strategy.reduce(totals, reduce_op="sum")
         images, loss_sum = totals.tolist()
         seconds = time.perf_counter() - self._epoch_start
