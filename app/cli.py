@@ -5,14 +5,17 @@ from __future__ import annotations
 import difflib
 import importlib
 import sys
+from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_info
 
 import app  # noqa: F401  (registers the dp and horovod strategies)
+from app.checkpoint_io import SafeCheckpointIO
 from app.data import FashionMNISTDataModule
 from app.errors import UserError
-from app.model import DEFAULT_SGD, ImageClassifier
+from app.model import DEFAULT_SGD, ImageClassifier, check_compatible, load_checkpoint
 from app.strategies.launch import mpi_world_size
 
 DEFAULT_CALLBACKS = [
@@ -20,7 +23,7 @@ DEFAULT_CALLBACKS = [
     {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
     {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"},
     {
-        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "class_path": "app.callbacks.ModelCheckpoint",
         "init_args": {
             "monitor": "val/acc",
             "mode": "max",
@@ -57,6 +60,12 @@ class CLI(LightningCLI):
                 "trainer.logger": default_loggers(),
             }
         )
+        parser.add_argument(
+            "--allow_remote_ckpt",
+            type=bool,
+            default=False,
+            help="Allow an http(s):// --ckpt_path (downloaded, then loaded with weights_only=True like any other).",
+        )
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -80,7 +89,50 @@ class CLI(LightningCLI):
         for logger in others:
             if getattr(logger, "root_dir", None) == getattr(first, "root_dir", None) and logger._version is None:
                 logger._version = first.version
+        # Atomic checkpoint writes and weights_only loads, whatever the strategy.
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        trainer.strategy.checkpoint_io = SafeCheckpointIO(allow_remote=bool(config.get("allow_remote_ckpt")))
         return trainer
+
+    # ``LightningCLI`` calls ``before_<subcommand>`` just before ``trainer.<subcommand>(ckpt_path=...)``.
+    def before_fit(self) -> None:
+        self._check_ckpt_path()
+
+    before_validate = before_test = before_predict = before_fit
+
+    def _check_ckpt_path(self) -> None:
+        """Resolve ``--ckpt_path last`` ourselves, and refuse a bad checkpoint before any work starts."""
+        config = self.config_init[self.subcommand]
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path == "last":
+            found = find_last_checkpoint(self.trainer)
+            if found is None:
+                rank_zero_info(f"--ckpt_path last: no last.ckpt under {log_root(self.trainer)}/ yet; starting fresh")
+            else:
+                rank_zero_info(f"--ckpt_path last: resuming from {found}")
+            ckpt_path = config["ckpt_path"] = None if found is None else str(found)
+        if ckpt_path is None or ckpt_path in ("best", "hpc"):
+            return
+        allow_remote = bool(self.config[self.subcommand].get("allow_remote_ckpt"))
+        checkpoint = load_checkpoint(ckpt_path, allow_remote=allow_remote)
+        check_compatible(checkpoint, ckpt_path, dict(self.model.hparams))
+
+
+def log_root(trainer) -> Path:
+    """The folder that holds the runs' ``version_N`` folders (``lightning_logs`` by default)."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    if logger is not None and getattr(logger, "root_dir", None):
+        return Path(logger.root_dir)
+    return Path(trainer.default_root_dir) / "lightning_logs"
+
+
+def find_last_checkpoint(trainer) -> Path | None:
+    """The newest ``last.ckpt`` of any earlier run (each run logs to its own ``version_N``), or None."""
+    candidates = list(log_root(trainer).glob("version_*/checkpoints/last.ckpt"))
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback, "dirpath", None):  # a ModelCheckpoint with an explicit folder
+            candidates += list(Path(callback.dirpath).glob("last.ckpt"))
+    return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
 
 
 def check_strategy_name(strategy) -> None:

@@ -23,13 +23,14 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset
 from torchvision.datasets import FashionMNIST
 
 from app import synthetic
 from app.augment import normalize, random_crop_flip
 from app.errors import UserError
 from app.idx import DataFileError, md5sum, read_idx, write_idx
+from app.loader import ResumableLoader, ResumableSampler
 
 Source = Literal["auto", "fashion_mnist", "synthetic"]
 Invert = Literal["auto", "always", "never"]
@@ -110,6 +111,7 @@ class FashionMNISTDataModule(LightningDataModule):
         self.save_hyperparameters()
         self.data_dir = Path(data_dir)
         self.train_set = self.val_set = self.test_set = self.predict_set = None
+        self.train_loader: ResumableLoader | None = None
         self.predict_names: list[str] = []  # what each predicted sample is: a file name, or "test[i]"
 
     # ------------------------------------------------------------------ files
@@ -247,31 +249,32 @@ class FashionMNISTDataModule(LightningDataModule):
         # dp runs one process over several devices: it loads their batches together and splits them.
         batch_size = self.hparams.batch_size * getattr(strategy, "devices_per_process", 1)
         shard = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+        on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        options = dict(
+            batch_size=batch_size,
+            collate_fn=keep_batch,
+            num_workers=self.hparams.num_workers,
+            persistent_workers=self.hparams.num_workers > 0,
+            pin_memory=on_cuda,
+        )
         if train:
             # Chosen here rather than injected by Lightning, so that one process and N processes walk the same
             # seeded permutation: rank r takes every N-th sample of it, and the union of the ranks' step-k
-            # batches is one device's step-k batch at N x batch_size.
-            sampler = DistributedSampler(
+            # batches is one device's step-k batch at N x batch_size. Resumable part-way through an epoch.
+            sampler = ResumableSampler(
                 dataset,
                 num_replicas=shard.get("num_replicas", 1),
                 rank=shard.get("rank", 0),
                 shuffle=True,
                 seed=self.hparams.seed,
             )
-        elif shard:  # evaluation shards without the padding DistributedSampler adds: each sample counts once
+            self.train_loader = ResumableLoader(dataset, sampler=sampler, seed=self.hparams.seed, **options)
+            return self.train_loader
+        if shard:  # evaluation shards without the padding DistributedSampler adds: each sample counts once
             sampler = UnrepeatedDistributedSampler(dataset, shard["num_replicas"], shard["rank"], shuffle=False)
         else:
             sampler = None
-        on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        return DataLoader(
-            dataset,
-            batch_size=batch_size,
-            sampler=sampler,
-            collate_fn=keep_batch,
-            num_workers=self.hparams.num_workers,
-            persistent_workers=self.hparams.num_workers > 0,
-            pin_memory=on_cuda,
-        )
+        return DataLoader(dataset, sampler=sampler, **options)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)
@@ -291,7 +294,9 @@ class FashionMNISTDataModule(LightningDataModule):
         images, labels = batch
         images = images.unsqueeze(1).float().div_(255)  # [B, 1, 28, 28] in [0, 1]
         if self.hparams.augment and self.trainer is not None and self.trainer.training:
-            images = random_crop_flip(images, padding=4)
+            # Random numbers named by (seed, epoch, batch, rank): a resumed run crops exactly as an unbroken one.
+            generator = torch.Generator().manual_seed(self.train_loader.batch_seed())
+            images = random_crop_flip(images, padding=4, generator=generator)
         return normalize(images, MEAN, STD), labels
 
 

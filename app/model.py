@@ -18,6 +18,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from app.checkpoint_io import safe_torch_load
 from app.errors import UserError
 from app.networks import Arch, Norm, build_resnet
 
@@ -157,21 +158,23 @@ def network_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
 
 
-def load_checkpoint(ckpt_path: str | Path) -> dict[str, Any]:
+def load_checkpoint(ckpt_path: str | Path, allow_remote: bool = False) -> dict[str, Any]:
     """A checkpoint of this project, loaded safely (``weights_only``: plain data, nothing executed)."""
-    path = Path(ckpt_path)
-    if str(ckpt_path).startswith(("http://", "https://")):
-        raise UserError(f"{ckpt_path}: remote checkpoints are not loaded; download it and pass the local file")
-    if not path.is_file():
-        raise UserError(f"{path}: no such checkpoint file; pass --ckpt_path lightning_logs/version_N/checkpoints/...")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated, not a checkpoint, or carrying pickled objects
-        reason = str(err).strip().splitlines()[0][:200]
-        raise UserError(f"{path}: not a loadable checkpoint ({type(err).__name__}: {reason})") from None
+    checkpoint = safe_torch_load(ckpt_path, allow_remote=allow_remote)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "hyper_parameters" not in checkpoint:
-        raise UserError(f"{path}: not a checkpoint written by `cli.py fit` (no state_dict / hyper_parameters)")
+        raise UserError(f"{ckpt_path}: not a checkpoint written by `cli.py fit` (no state_dict / hyper_parameters)")
     return checkpoint
+
+
+def check_compatible(checkpoint: dict[str, Any], ckpt_path: str | Path, hparams: dict[str, Any]) -> None:
+    """Refuse, in one line, a checkpoint of another network than the one this run builds."""
+    saved = checkpoint["hyper_parameters"]
+    for key in ("arch", "num_classes", "norm"):
+        if key in saved and saved[key] != hparams.get(key):
+            raise UserError(
+                f"{ckpt_path} holds a network with --model.{key}={saved[key]}, but this run builds "
+                f"--model.{key}={hparams.get(key)}; pass --model.{key}={saved[key]} or another --ckpt_path"
+            )
 
 
 def load_network(ckpt_path: str | Path) -> nn.Module:

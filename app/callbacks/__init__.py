@@ -1,6 +1,7 @@
 """Lightning callbacks of the template; each can be added with ``--trainer.callbacks+=app.callbacks.NAME``."""
 
 from app.callbacks.activation_checkpointing import ActivationCheckpointing
+from app.callbacks.checkpoint import ModelCheckpoint
 from app.callbacks.prediction_writer import PredictionWriter
 from app.callbacks.run_report import RunReport
 from app.callbacks.sync_batchnorm import AllReduceBatchNorm, SyncBatchNorm
@@ -10,6 +11,7 @@ __all__ = [
     "ActivationCheckpointing",
     "AllReduceBatchNorm",
     "LRWarmup",
+    "ModelCheckpoint",
     "PredictionWriter",
     "RunReport",
     "SyncBatchNorm",

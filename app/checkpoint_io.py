@@ -1,0 +1,83 @@
+"""How checkpoints reach the disk and come back: atomically, and without unpickling anything.
+
+:class:`SafeCheckpointIO` replaces Lightning's ``TorchCheckpointIO`` in every strategy (``cli.py`` installs it):
+
+- save: ``torch.save`` into a hidden temporary file in the same folder, ``fsync``, then ``os.replace`` onto the
+  target and ``fsync`` the folder. A kill at any moment leaves either the old file or the new one, never a
+  half-written ``last.ckpt``; a failed save removes its temporary file.
+- load: always ``torch.load(weights_only=True)`` (plain tensors and containers; a checkpoint carrying a pickled
+  object is refused, not executed), remote ``http(s)://`` paths only when allowed, and one-line errors.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+from app.errors import UserError
+
+REMOTE_PREFIXES = ("http://", "https://")
+
+
+def atomic_torch_save(obj: Any, path: str | Path) -> None:
+    """``torch.save(obj, path)`` that never leaves a partial ``path`` behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a checkpoint is as readable as any file the run writes
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)  # the rename itself survives a crash
+    finally:
+        os.close(dir_fd)
+
+
+def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: Any = "cpu") -> Any:
+    """``torch.load(path, weights_only=True)`` with one-line errors naming the file."""
+    if str(path).startswith(REMOTE_PREFIXES):
+        if not allow_remote:
+            raise UserError(
+                f"{path}: remote checkpoints are not loaded by default; download it and pass the local file, "
+                "or add --allow_remote_ckpt=true (it is still loaded with weights_only=True)"
+            )
+        from lightning.fabric.utilities.cloud_io import _load
+
+        return _load(str(path), map_location=map_location, weights_only=True)
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such checkpoint file; pass --ckpt_path lightning_logs/version_N/checkpoints/...")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # truncated, not a checkpoint, or carrying pickled objects
+        reason = str(err).strip().splitlines()[0][:200]
+        raise UserError(f"{path}: not a loadable checkpoint ({type(err).__name__}: {reason})") from None
+
+
+class SafeCheckpointIO(TorchCheckpointIO):
+    """Atomic saves and ``weights_only`` loads for Lightning's strategies."""
+
+    def __init__(self, allow_remote: bool = False) -> None:
+        self.allow_remote = allow_remote
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        atomic_torch_save(checkpoint, path)
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
+        location = map_location if map_location is not None else (lambda storage, loc: storage)
+        return safe_torch_load(path, allow_remote=self.allow_remote, map_location=location)
