@@ -34,6 +34,7 @@ DEFAULT_CALLBACKS = [
     },
     {"class_path": "app.callbacks.RunReport"},
     {"class_path": "app.callbacks.PredictionWriter"},
+    {"class_path": "app.callbacks.Preemption"},
 ]
 
 

@@ -3,6 +3,7 @@
 from app.callbacks.activation_checkpointing import ActivationCheckpointing
 from app.callbacks.checkpoint import ModelCheckpoint
 from app.callbacks.prediction_writer import PredictionWriter
+from app.callbacks.preemption import Preempted, Preemption
 from app.callbacks.run_report import RunReport
 from app.callbacks.sync_batchnorm import AllReduceBatchNorm, SyncBatchNorm
 from app.callbacks.warmup import LRWarmup
@@ -12,6 +13,8 @@ __all__ = [
     "AllReduceBatchNorm",
     "LRWarmup",
     "ModelCheckpoint",
+    "Preempted",
+    "Preemption",
     "PredictionWriter",
     "RunReport",
     "SyncBatchNorm",

@@ -38,6 +38,7 @@ class RunReport(Callback):
         for device in _devices(trainer):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+        self.on_train_epoch_start(trainer, pl_module)  # a run resumed mid-epoch gets no on_train_epoch_start
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start = self._started = time.perf_counter()

@@ -1,0 +1,143 @@
+"""Preemption: on SIGTERM or SIGINT, every rank finishes its step, ``last.ckpt`` is written, and the run exits 143/130.
+
+Clusters stop jobs with SIGTERM (``docker stop``, Kubernetes, SLURM) and people with Ctrl-C (SIGINT). Lightning
+2.6 exits 0 on SIGTERM without a checkpoint, so a restart policy reads a preempted run as finished, and its
+handler broadcasts from inside the signal handler, which deadlocks when a rank other than 0 gets the signal.
+This callback replaces it for training:
+
+- The handler only records the signal (and prints one line); nothing runs inside it.
+- After each training step the ranks agree whether any of them got a signal: a one-number all-reduce on a gloo
+  group of its own, issued without waiting and read one step later, so it never stalls the GPU. All ranks
+  therefore stop after the same step, at most two steps after the signal.
+- Then ``last.ckpt`` is written (atomically: :mod:`app.checkpoint_io`) with the loop and loader state, so
+  ``python cli.py fit ... --ckpt_path last`` continues with the next batch, and every rank exits with
+  ``128 + signal`` (143 for SIGTERM, 130 for SIGINT).
+- A second Ctrl-C stops at once (KeyboardInterrupt), without a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+
+WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
+
+
+class Preempted(SystemExit):
+    """Raised on every rank after the preemption checkpoint; exits the process with ``128 + signal``."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+
+class Preemption(Callback):
+    def __init__(self, signals: tuple[str, ...] = ("SIGTERM", "SIGINT")) -> None:
+        """
+        Args:
+            signals: The signals that stop training with a checkpoint.
+        """
+        self.signals = tuple(signal.Signals[name] for name in signals)
+        self.received = 0  # the first signal number received by this process, 0 for none
+        self._group = None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
+        self._previous: dict[int, object] = {}
+        self._rank = 0
+
+    # ---------------------------------------------------------------- setup
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._rank = trainer.global_rank
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo")  # all ranks call setup together; CPU, so no GPU sync
+        if trainer.checkpoint_callback is None:
+            rank_zero_warn("Preemption: no ModelCheckpoint callback, so a SIGTERM/SIGINT stops without a checkpoint")
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        # After Lightning registered its own SIGTERM handler (in Trainer._run); Lightning restores the originals.
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.received and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        if not self.received:
+            self.received = signum
+            name = signal.Signals(signum).name
+            message = f"[rank {self._rank}] received {name}: stopping after this step with a checkpoint"
+            message += " (Ctrl-C again: stop now)\n" if signum == signal.SIGINT else "\n"
+            os.write(2, message.encode())  # not print(): the signal may have interrupted a print
+
+    # ---------------------------------------------------------------- the decision, once per step
+    def _agreed_signal(self, trainer) -> int:
+        """The signal to stop on, the same on every rank (0: go on)."""
+        if self._group is None and trainer.world_size > 1:  # no torch.distributed (horovod's own backend)
+            stop = trainer.strategy.reduce_boolean_decision(bool(self.received), all=False)
+            return (self.received or signal.SIGTERM) if stop else 0
+        if self._group is None:
+            return self.received
+        decided = self._collect()
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag)
+        return decided
+
+    def _collect(self) -> int:
+        if self._pending is None:
+            return 0
+        work, flag = self._pending
+        work.wait()
+        self._pending = None
+        return int(flag.item())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        signum = self._agreed_signal(trainer)
+        if not signum:
+            return
+        self._collect()  # every rank issued this step's reduction: finish it before leaving
+        path = self._save(trainer)
+        name = signal.Signals(signum).name
+        rank_zero_info(
+            f"{name}: stopped after step {trainer.global_step} (epoch {trainer.current_epoch}); saved {path}. "
+            f"Continue with the same command plus --ckpt_path last. Exit code {128 + signum}."
+        )
+        raise Preempted(signum)
+
+    def _save(self, trainer) -> Path | None:
+        callback = trainer.checkpoint_callback
+        if callback is None:
+            return None
+        monitor_candidates = callback._monitor_candidates(trainer)
+        path = callback.format_checkpoint_name(monitor_candidates, callback.CHECKPOINT_NAME_LAST)
+        callback.last_model_path = path  # part of the checkpoint's callback state, as Lightning's save_last does
+        trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes, then all wait at a barrier
+        return Path(path)
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # Rank 0 of a ``ddp`` launch started the other local ranks: it returns only after they have exited too,
+        # so the job's exit is the whole run's exit.
+        if isinstance(exception, Preempted):
+            for process in getattr(trainer.strategy.launcher, "procs", []):
+                try:
+                    process.wait(timeout=WAIT_FOR_RANKS_S)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._collect()  # the last step's reduction, issued by every rank
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        for signum, handler in self._previous.items():
+            if signal.getsignal(signum) == self._handle:
+                signal.signal(signum, handler)
+        self._previous.clear()
+        if self._group is not None:
+            self._pending = None
+            self._group = None
