@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
 
 import app  # noqa: F401  (registers the dp and horovod strategies)
+from app.callbacks import RankWatchdog
 from app.checkpoint_io import SafeCheckpointIO
 from app.data import FashionMNISTDataModule
 from app.errors import UserError
@@ -61,6 +62,8 @@ class CLI(LightningCLI):
                 "trainer.logger": default_loggers(),
             }
         )
+        # On in every run: --watchdog.timeout=SECONDS (see app/callbacks/rank_watchdog.py).
+        parser.add_lightning_class_args(RankWatchdog, "watchdog")
         parser.add_argument(
             "--allow_remote_ckpt",
             type=bool,

@@ -4,6 +4,7 @@ from app.callbacks.activation_checkpointing import ActivationCheckpointing
 from app.callbacks.checkpoint import ModelCheckpoint
 from app.callbacks.prediction_writer import PredictionWriter
 from app.callbacks.preemption import Preempted, Preemption
+from app.callbacks.rank_watchdog import RankWatchdog
 from app.callbacks.run_report import RunReport
 from app.callbacks.sync_batchnorm import AllReduceBatchNorm, SyncBatchNorm
 from app.callbacks.warmup import LRWarmup
@@ -16,6 +17,7 @@ __all__ = [
     "Preempted",
     "Preemption",
     "PredictionWriter",
+    "RankWatchdog",
     "RunReport",
     "SyncBatchNorm",
 ]
