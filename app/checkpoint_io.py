@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import os
+import pickle
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -62,9 +64,16 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
         raise UserError(f"{path}: no such checkpoint file; pass --ckpt_path lightning_logs/version_N/checkpoints/...")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:  # truncated, not a checkpoint, or carrying pickled objects
-        reason = str(err).strip().splitlines()[0][:200]
-        raise UserError(f"{path}: not a loadable checkpoint ({type(err).__name__}: {reason})") from None
+    except pickle.UnpicklingError:
+        raise UserError(
+            f"{path}: refused: it holds pickled Python objects, not only tensors and plain data, and nothing is "
+            "unpickled here (torch.load weights_only=True); re-save it from a state_dict"
+        ) from None
+    except Exception as err:  # truncated, or not a torch file at all
+        reason = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()[0][:100]
+        raise UserError(
+            f"{path}: not a loadable checkpoint, truncated or corrupt ({type(err).__name__}: {reason})"
+        ) from None
 
 
 class SafeCheckpointIO(TorchCheckpointIO):

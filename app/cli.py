@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
 import sys
 from pathlib import Path
 
+import torch
+import yaml
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
@@ -16,7 +20,7 @@ from app.callbacks import RankWatchdog
 from app.checkpoint_io import SafeCheckpointIO
 from app.data import FashionMNISTDataModule
 from app.errors import UserError
-from app.model import DEFAULT_SGD, ImageClassifier, check_compatible, load_checkpoint
+from app.model import ARCH_KEYS, DEFAULT_SGD, ImageClassifier, check_compatible, load_checkpoint
 from app.strategies.launch import mpi_world_size
 
 DEFAULT_CALLBACKS = [
@@ -74,6 +78,7 @@ class CLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         check_strategy_name(config.trainer.strategy)
+        check_devices(config.trainer.devices)
         # --trainer.enable_progress_bar=false / enable_model_summary=false also drop our default rich callbacks
         # (Lightning refuses a progress bar or summary callback when they are disabled).
         disabled = {
@@ -86,7 +91,17 @@ class CLI(LightningCLI):
         ]
 
     def instantiate_trainer(self, **kwargs):
-        trainer = super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, TypeError, ValueError) as err:  # Lightning's accelerator/devices checks
+            if isinstance(err, UserError):
+                raise
+            t = (self.config[self.subcommand] if self.subcommand else self.config).trainer
+            reason = " ".join(str(err).split())
+            raise UserError(
+                f"--trainer.accelerator={t.accelerator} --trainer.devices={t.devices}: {reason} "
+                f"({torch.cuda.device_count()} CUDA device(s) visible here; on CPU, devices is the number of processes)"
+            ) from None
         # Loggers pick "the next free version_N" each on its own, and whichever asks second sees the folder the
         # first one made. Give every logger that shares the first one's folder the first one's version.
         first, *others = trainer.loggers or [None]
@@ -104,8 +119,36 @@ class CLI(LightningCLI):
 
     before_validate = before_test = before_predict = before_fit
 
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's own step, made safe and strict.
+
+        Lightning reads a ``--ckpt_path`` file's hyperparameters into the model's config before anything is built
+        (so ``test --ckpt_path X`` needs no model flags); it silently replaces a contradicting ``--model.arch``.
+        Here the file is loaded safely (``weights_only``; one-line errors for a missing, truncated, remote or
+        unsafe file), and a ``--model`` flag that contradicts the checkpoint is an error naming both values.
+        """
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not ckpt_path or ckpt_path in ("last", "best", "hpc"):
+            return
+        allow_remote = bool(self.config[subcommand].get("allow_remote_ckpt"))
+        saved = dict(load_checkpoint(ckpt_path, allow_remote=allow_remote)["hyper_parameters"])
+        saved.pop("_instantiator", None)
+        known = inspect.signature(ImageClassifier.__init__).parameters
+        unknown = sorted(set(saved) - set(known))
+        if unknown:
+            raise UserError(f"{ckpt_path}: not a checkpoint of this model (unknown hyperparameters {unknown})")
+        given = self.config[subcommand].model
+        for key in ARCH_KEYS:
+            if key in saved and given.get(key) not in (known[key].default, saved[key]):
+                raise UserError(
+                    f"{ckpt_path} holds a network with --model.{key}={saved[key]}, but --model.{key}={given.get(key)} "
+                    f"was given; drop the flag (the checkpoint's value is used) or pass another --ckpt_path"
+                )
+        self.config = self.parser.parse_object({subcommand: {"model": saved}}, self.config)
+
     def _check_ckpt_path(self) -> None:
-        """Resolve ``--ckpt_path last`` ourselves, and refuse a bad checkpoint before any work starts."""
+        """Resolve ``--ckpt_path last`` ourselves, and refuse weights that do not fit, before any work starts."""
         config = self.config_init[self.subcommand]
         ckpt_path = config.get("ckpt_path")
         if ckpt_path == "last":
@@ -119,7 +162,7 @@ class CLI(LightningCLI):
             return
         allow_remote = bool(self.config[self.subcommand].get("allow_remote_ckpt"))
         checkpoint = load_checkpoint(ckpt_path, allow_remote=allow_remote)
-        check_compatible(checkpoint, ckpt_path, dict(self.model.hparams))
+        check_compatible(checkpoint, ckpt_path, self.model)
 
 
 def log_root(trainer) -> Path:
@@ -155,6 +198,32 @@ def check_strategy_name(strategy) -> None:
         )
 
 
+def check_devices(devices) -> None:
+    try:
+        count = int(devices)
+    except (TypeError, ValueError):
+        return  # "auto", a list or "0,1": Lightning checks those
+    if count == 0 or count < -1:
+        raise UserError(
+            f"--trainer.devices={devices}: use a positive count, -1 or auto (all GPUs), or a list like [0,1]"
+        )
+
+
+def check_config_files(argv: list[str]) -> None:
+    """A ``--config`` file that is not valid YAML: name the file and the line (jsonargparse names neither)."""
+    paths = [b for a, b in zip(argv, argv[1:], strict=False) if a == "--config"]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    for path in map(Path, paths):
+        if path.is_file():
+            try:
+                yaml.safe_load(path.read_text())
+            except yaml.YAMLError as err:
+                mark = getattr(err, "problem_mark", None)
+                where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
+                problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+                raise UserError(f"{path}: not valid YAML ({where.strip()} {problem}); fix the file") from None
+
+
 # Subcommands that are not Lightning's: they take their own flags (``python cli.py plot --help``).
 TOOLS = {"plot": "app.plot", "export": "app.export"}
 
@@ -162,6 +231,7 @@ TOOLS = {"plot": "app.plot", "export": "app.export"}
 def main(args: list[str] | None = None) -> CLI | None:
     argv = sys.argv[1:] if args is None else list(args)
     try:
+        check_config_files(argv)
         if argv and argv[0] in TOOLS:
             importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
             return None
@@ -169,6 +239,7 @@ def main(args: list[str] | None = None) -> CLI | None:
             ImageClassifier,
             FashionMNISTDataModule,
             seed_everything_default=42,
+            parser_kwargs={"allow_abbrev": False},  # --trainer.max_epoch is a typo, not --trainer.max_epochs
             args=args,
         )
     except UserError as err:

@@ -166,14 +166,26 @@ def load_checkpoint(ckpt_path: str | Path, allow_remote: bool = False) -> dict[s
     return checkpoint
 
 
-def check_compatible(checkpoint: dict[str, Any], ckpt_path: str | Path, hparams: dict[str, Any]) -> None:
-    """Refuse, in one line, a checkpoint of another network than the one this run builds."""
-    saved = checkpoint["hyper_parameters"]
-    for key in ("arch", "num_classes", "norm"):
-        if key in saved and saved[key] != hparams.get(key):
+ARCH_KEYS = ("arch", "num_classes", "norm")  # the hyperparameters that decide the network's weights
+
+
+def check_compatible(checkpoint: dict[str, Any], ckpt_path: str | Path, module: nn.Module) -> None:
+    """Refuse, in one line, a checkpoint whose network is not the one this run builds."""
+    saved, hparams = checkpoint["hyper_parameters"], dict(getattr(module, "hparams", {}))
+    for key in ARCH_KEYS:
+        if key in saved and key in hparams and saved[key] != hparams[key]:
             raise UserError(
                 f"{ckpt_path} holds a network with --model.{key}={saved[key]}, but this run builds "
-                f"--model.{key}={hparams.get(key)}; pass --model.{key}={saved[key]} or another --ckpt_path"
+                f"--model.{key}={hparams[key]}; pass --model.{key}={saved[key]} or another --ckpt_path"
+            )
+    weights, expected = checkpoint["state_dict"], module.state_dict()
+    for name in sorted(set(weights) | set(expected)):
+        have = tuple(weights[name].shape) if name in weights else "missing"
+        want = tuple(expected[name].shape) if name in expected else "not in this network"
+        if have != want:
+            raise UserError(
+                f"{ckpt_path}: its weights do not fit this network ({name}: checkpoint {have}, network {want}); "
+                "pass the --model options it was trained with, or another --ckpt_path"
             )
 
 
