@@ -112,6 +112,7 @@ class FashionMNISTDataModule(LightningDataModule):
         self.data_dir = Path(data_dir)
         self.train_set = self.val_set = self.test_set = self.predict_set = None
         self.train_loader: ResumableLoader | None = None
+        self._loaded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.predict_names: list[str] = []  # what each predicted sample is: a file name, or "test[i]"
 
     # ------------------------------------------------------------------ files
@@ -148,7 +149,19 @@ class FashionMNISTDataModule(LightningDataModule):
             write_idx(self.synthetic_dir / labels_file, labels)
 
     def prepare_data(self) -> None:
-        """Runs once per node (local rank 0): download the real files or write the synthetic ones."""
+        """Runs once per node (local rank 0): fetch the files, then read and check both splits.
+
+        Checking here, before Lightning makes the run's log folder, means a bad file stops the run with nothing
+        written. The tensors are kept for :meth:`setup` in this process.
+        """
+        self._fetch_files()
+        self._loaded = {split: self.load_split(split) for split in SPLITS}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_loaded": {}}  # spawned/MPI ranks read the files themselves
+
+    def _fetch_files(self) -> None:
+        """Download the real files, or write the synthetic ones."""
         source = self.hparams.source
         if source == "synthetic":
             self._write_synthetic()
@@ -178,6 +191,8 @@ class FashionMNISTDataModule(LightningDataModule):
 
     def load_split(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Read and validate one split of the resolved source: ``(uint8 images [N,28,28], int64 labels [N])``."""
+        if split in self._loaded:
+            return self._loaded.pop(split)
         source = self.resolve_source()
         folder = self.real_dir if source == "fashion_mnist" else self.synthetic_dir
         images_file, labels_file, count = SPLITS[split]
@@ -210,8 +225,6 @@ class FashionMNISTDataModule(LightningDataModule):
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:
         self.hparams.resolved_source = self.resolve_source()
-        for logger in self.trainer.loggers if self.trainer is not None else []:
-            logger.log_hyperparams({"resolved_source": self.hparams.resolved_source})
         if stage in ("fit", "validate") and self.train_set is None:
             images, labels = self.load_split("train")
             perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.hparams.seed))
@@ -221,12 +234,15 @@ class FashionMNISTDataModule(LightningDataModule):
         if stage == "predict" and self.hparams.predict_dir:
             images, self.predict_names = load_image_folder(self.hparams.predict_dir, self.hparams.predict_invert)
             self.predict_set = TensorImageDataset(images, torch.full((len(images),), -1))
-            return
-        if stage in ("test", "predict") and self.test_set is None:
-            self.test_set = TensorImageDataset(*self.load_split("test"))
-        if stage == "predict":
-            self.predict_set = self.test_set
-            self.predict_names = [f"test[{i}]" for i in range(len(self.test_set))]
+        else:
+            if stage in ("test", "predict") and self.test_set is None:
+                self.test_set = TensorImageDataset(*self.load_split("test"))
+            if stage == "predict":
+                self.predict_set = self.test_set
+                self.predict_names = [f"test[{i}]" for i in range(len(self.test_set))]
+        # Only now that the files have loaded (a bad file stops the run before any log folder is made).
+        for logger in self.trainer.loggers if self.trainer is not None else []:
+            logger.log_hyperparams({"resolved_source": self.hparams.resolved_source})
         if stage == "fit" and self.trainer is not None:
             self._log_batch_size()
 

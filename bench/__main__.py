@@ -9,6 +9,10 @@
 3. the data pipeline alone: our loader (one indexing op per batch, transforms on the device) against
    torchvision's ``FashionMNIST`` + ``DataLoader`` with per-sample ``ToTensor``/``Normalize``.
 
+``--repeats N`` runs 1 and 2 N times, interleaved (plain, then each ``cli.py fit``, then plain again ...), and
+reports medians; the ratio to the plain loop is the median of the N paired ratios, so slow drifts of a shared
+machine cancel. ``spread`` is (max - min) / median of a row's N values.
+
 Prints images/s, seconds per 55k-image epoch, the ratio to the plain loop and the fraction of the FLOP ceiling
 (FLOPs counted with ``torch.utils.flop_counter``; the peak from ``--peak-tflops`` or a table of known GPUs), and
 writes ``bench/results/speed-<device>.json`` and ``.md``.
@@ -24,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 from torch import nn
@@ -175,6 +180,7 @@ def main() -> None:
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--source", default="synthetic", choices=["synthetic", "fashion_mnist"])
     parser.add_argument("--strategies", default="auto,dp,ddp", help="comma-separated; dp/ddp run on 1 device")
+    parser.add_argument("--repeats", type=int, default=1 if cuda else 3, help="interleaved repeats; medians reported")
     args = parser.parse_args()
     args.accelerator = "gpu" if cuda else "cpu"
     device = torch.device("cuda" if cuda else "cpu")
@@ -189,25 +195,37 @@ def main() -> None:
     peak = peak_flops(device, args.precision, args.peak_tflops)
     rows: list[dict] = []
 
-    def add(name: str, images_per_s: float, plain: float | None) -> None:
+    def add(name: str, values: list[float], plains: list[float]) -> None:
+        images_per_s = median(values)
         row = {
             "run": name,
             "images_per_s": images_per_s,
             "s_per_epoch": EPOCH_IMAGES / images_per_s,
-            "vs_plain": images_per_s / plain if plain else "",
+            "vs_plain": median(v / p for v, p in zip(values, plains, strict=True)),
+            "spread": (max(values) - min(values)) / images_per_s,
             "tflops": images_per_s * per_image / 1e12,
             "of_peak": images_per_s * per_image / peak if peak else "",
         }
         rows.append(row)
+        spread = f"(spread {row['spread']:.1%} over {len(values)})"
         print(f"{name:28s} {images_per_s:10,.0f} img/s  {row['s_per_epoch']:8.2f} s/epoch  "
-              + (f"{row['vs_plain']:.3f} x plain" if plain else ""), flush=True)  # fmt: skip
+              f"{row['vs_plain']:.3f} x plain  {spread}", flush=True)  # fmt: skip
 
-    plain = plain_loop(args, device, images, labels)
-    add("plain PyTorch loop", plain, plain)
-    for strategy in [s for s in args.strategies.split(",") if s]:
-        add(f"cli.py fit {strategy} x1", cli_fit(args, Path(args.data_dir).resolve(), strategy, 1), plain)
+    data_dir = Path(args.data_dir).resolve()
+    runs = [(f"cli.py fit {s} x1", s, 1) for s in args.strategies.split(",") if s]
     if not cuda and "ddp" in args.strategies:
-        add("cli.py fit ddp x2 (processes)", cli_fit(args, Path(args.data_dir).resolve(), "ddp", 2), plain)
+        runs.append(("cli.py fit ddp x2 (processes)", "ddp", 2))
+    plains: list[float] = []
+    results: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    for repeat in range(args.repeats):
+        plains.append(plain_loop(args, device, images, labels))
+        print(f"repeat {repeat + 1}/{args.repeats}: plain {plains[-1]:,.0f} img/s", flush=True)
+        for name, strategy, devices in runs:
+            results[name].append(cli_fit(args, data_dir, strategy, devices))
+            print(f"repeat {repeat + 1}/{args.repeats}: {name} {results[name][-1]:,.0f} img/s", flush=True)
+    add("plain PyTorch loop", plains, plains)
+    for name, values in results.items():
+        add(name, values, plains)
 
     batches = min(args.steps * 4, len(labels) // args.batch_size)
     ours = our_pipeline(args, device, data, batches)
@@ -219,11 +237,12 @@ def main() -> None:
 
     notes = (
         f"{args.arch}, batch {args.batch_size} per device, precision {args.precision}, channels_last "
-        f"{args.channels_last}, compile {args.compile}, {args.steps} timed steps after {args.steps} warm-up; "
+        f"{args.channels_last}, compile {args.compile}, {args.steps} timed steps after {args.steps} warm-up, "
+        f"median of {args.repeats} interleaved repeats; "
         f"{per_image / 1e9:.2f} GFLOP per training image; peak {peak / 1e12 if peak else 'unknown'} TFLOP/s. "
         "vs_plain: images/s relative to the plain loop (for the data rows: ours / torchvision)."
     )
-    columns = ["run", "images_per_s", "s_per_epoch", "vs_plain", "tflops", "of_peak"]
+    columns = ["run", "images_per_s", "s_per_epoch", "vs_plain", "spread", "tflops", "of_peak"]
     path = record(f"speed-{args.arch}-b{args.batch_size}", "bench", rows, columns, notes)
     print(path.read_text())
 

@@ -99,9 +99,11 @@ def test_real_files_are_checked_against_known_md5(tmp_path):
     for images_file, labels_file, _ in SPLITS.values():
         write_idx(dm.real_dir / f"{images_file}.gz", images)
         write_idx(dm.real_dir / f"{labels_file}.gz", labels)
-    dm.prepare_data()  # files present: no download attempted
+    dm._download = lambda: pytest.fail("files present: no download attempted")
     with pytest.raises(DataFileError, match=r"train-images-idx3-ubyte.gz: MD5 checksum mismatch"):
-        dm.setup("fit")
+        dm.prepare_data()  # checked before any run folder exists
+    with pytest.raises(DataFileError, match=r"train-images-idx3-ubyte.gz: MD5 checksum mismatch"):
+        dm.setup("fit")  # and again on ranks that did not run prepare_data
 
 
 def test_fashion_mnist_without_files_or_network_names_the_flag(tmp_path, monkeypatch):

@@ -102,6 +102,12 @@ class Preemption(Callback):
         if not signum:
             return
         self._collect()  # every rank issued this step's reduction: finish it before leaving
+        # The loop will not come back to this batch: do what it would do after the callbacks' hook (the module's
+        # hook logs this step's train/loss, then the values go to the loggers), so no logged value is lost. The
+        # checkpoint is then taken where Lightning's own step checkpoints are (before the batch counts as completed).
+        pl_module.on_train_batch_end(outputs, batch, batch_idx)
+        trainer._logger_connector.on_batch_end()
+        trainer._logger_connector.update_train_step_metrics()
         path = self._save(trainer)
         name = signal.Signals(signum).name
         rank_zero_info(
