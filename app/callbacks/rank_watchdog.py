@@ -52,7 +52,7 @@ class Heartbeat(threading.Thread):
         self.lost_ranks: list[int] = []
         self.reason = ""
         self.verdict = threading.Event()
-        self._stop = threading.Event()
+        self._halt = threading.Event()  # not "_stop": that is a threading.Thread method
         self.on_lost = None  # called from this thread with (ranks, reason); default: exit the process
 
     def _key(self, kind: str, rank: int) -> str:
@@ -68,7 +68,7 @@ class Heartbeat(threading.Thread):
             return
         pids: dict[int, int] = {}
         seen = {r: (None, time.monotonic()) for r in peers}
-        while not self._stop.wait(self.interval):
+        while not self._halt.wait(self.interval):
             try:
                 self.store.add(self._key("beat", self.rank), 1)
                 beats = {r: self.store.add(self._key("beat", r), 0) for r in peers}
@@ -77,7 +77,7 @@ class Heartbeat(threading.Thread):
                         peer_host, pid = self.store.get(self._key("pid", r)).decode().rsplit(":", 1)
                         pids[r] = int(pid) if peer_host == host else 0
             except Exception as err:  # noqa: BLE001 (the store's host is gone, or the network)
-                if self._stop.wait(2 * self.interval):  # finishing normally: the store closes as rank 0 exits
+                if self._halt.wait(2 * self.interval):  # finishing normally: the store closes as rank 0 exits
                     return
                 self._judge([0], f"the rendezvous store on rank 0 stopped answering ({type(err).__name__})")
                 return
@@ -115,7 +115,7 @@ class Heartbeat(threading.Thread):
 
     def finish(self) -> None:
         """This rank is done: peers stop watching it, and this thread stops."""
-        self._stop.set()
+        self._halt.set()
         with contextlib.suppress(Exception):  # the store may already be gone at the very end
             self.store.add(self._key("beat", self.rank), DONE)
 
