@@ -24,7 +24,7 @@ from app.model import ARCH_KEYS, DEFAULT_SGD, ImageClassifier, check_compatible,
 from app.strategies.launch import mpi_world_size
 
 DEFAULT_CALLBACKS = [
-    {"class_path": "lightning.pytorch.callbacks.RichProgressBar"},
+    {"class_path": "app.callbacks.ProgressBar"},
     {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
     {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"},
     {
@@ -83,6 +83,7 @@ class CLI(LightningCLI):
         # (Lightning refuses a progress bar or summary callback when they are disabled).
         disabled = {
             "RichProgressBar": config.trainer.enable_progress_bar,
+            "ProgressBar": config.trainer.enable_progress_bar,
             "RichModelSummary": config.trainer.enable_model_summary,
         }
         callbacks = config.trainer.callbacks or []

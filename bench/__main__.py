@@ -3,7 +3,8 @@
     python -m bench                                   # CPU: resnet_tiny, batch 256 (minutes on 2 cores)
     python -m bench --arch resnet18 --batch-size 256 --precision bf16-mixed --channels-last --compile   # a GPU
 
-1. ``plain``: a plain PyTorch loop (no Lightning) over the same uint8 tensors: the ceiling for our overhead.
+1. ``plain``: ``bench/plain.py``, the same training as a plain PyTorch loop (no Lightning), in a fresh process:
+   the ceiling for our overhead.
 2. ``cli.py fit`` with each strategy that runs on this machine (one device; on CPU also ddp with 2 processes),
    read back from the run's ``perf/images_per_s`` (training time of the last epoch, validation off).
 3. the data pipeline alone: our loader (one indexing op per batch, transforms on the device) against
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -31,11 +33,11 @@ from pathlib import Path
 from statistics import median
 
 import torch
-from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from app.data import MEAN, STD, FashionMNISTDataModule
 from app.networks import build_resnet
+from bench.plain import synchronize
 from bench.report import record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,44 +71,19 @@ def peak_flops(device: torch.device, precision: str, given: float | None) -> flo
     return None
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ------------------------------------------------------------------------------------------------ 1. plain loop
-def plain_loop(args, device: torch.device, images: torch.Tensor, labels: torch.Tensor) -> float:
-    torch.manual_seed(0)
-    net = build_resnet(args.arch).to(device)
-    if args.channels_last:
-        net = net.to(memory_format=torch.channels_last)
-    if args.compile:
-        net.compile()
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    criterion = nn.CrossEntropyLoss()
-    autocast = args.precision == "bf16-mixed"
-    b = args.batch_size
-
-    def step(i: int) -> None:
-        idx = torch.randint(0, len(labels), (b,))
-        x = images[idx].to(device, non_blocking=True).unsqueeze(1).float().div_(255).sub_(MEAN).div_(STD)
-        y = labels[idx].to(device, non_blocking=True)
-        if args.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = criterion(net(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-
-    for i in range(args.steps):  # warm-up: the same count as Lightning's first epoch
-        step(i)
-    synchronize(device)
-    start = time.perf_counter()
-    for i in range(args.steps):
-        step(i)
-    synchronize(device)
-    return args.steps * b / (time.perf_counter() - start)
+def plain_loop(args, data_dir: Path) -> float:
+    """``bench/plain.py`` in a fresh process, as ``cli.py fit`` runs: both start from the same state."""
+    cmd = [
+        sys.executable, "-m", "bench.plain", f"--arch={args.arch}", f"--batch-size={args.batch_size}",
+        f"--steps={args.steps}", f"--precision={args.precision}", f"--data-dir={data_dir}", f"--source={args.source}",
+        "--channels-last" if args.channels_last else "--no-channels-last",
+        "--compile" if args.compile else "--no-compile", f"--compile-mode={args.compile_mode}",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])["images_per_s"]
 
 
 # ------------------------------------------------------------------------------------------------ 2. cli.py fit
@@ -120,6 +97,7 @@ def cli_fit(args, data_dir: Path, strategy: str, devices: int) -> float:
         "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false", "--trainer.log_every_n_steps=50",
         f"--model.channels_last={args.channels_last}", f"--model.compile={args.compile}",
+        f"--model.compile_mode={args.compile_mode}",
     ]  # fmt: skip
     if args.precision != "32":
         cmd.append(f"--trainer.precision={args.precision}")
@@ -176,6 +154,7 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16-mixed" if cuda else "32", choices=["32", "bf16-mixed"])
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=cuda)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--compile-mode", default="default", help="torch.compile's mode (both loops)")
     parser.add_argument("--peak-tflops", type=float, help="the device's peak for --precision (default: known GPUs)")
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--source", default="synthetic", choices=["synthetic", "fashion_mnist"])
@@ -188,44 +167,50 @@ def main() -> None:
     data = FashionMNISTDataModule(data_dir=args.data_dir, source=args.source, batch_size=args.batch_size)
     data.prepare_data()
     data.setup("fit")
-    images, labels = data.train_set.images, data.train_set.labels
+    labels = data.train_set.labels
     raw_dir = (data.real_dir if data.resolve_source() == "fashion_mnist" else data.synthetic_dir).resolve()
 
     per_image = flops_per_image(args.arch)
     peak = peak_flops(device, args.precision, args.peak_tflops)
     rows: list[dict] = []
 
-    def add(name: str, values: list[float], plains: list[float]) -> None:
-        images_per_s = median(values)
+    def add(name: str, values: list[float], plains: list[float], devices: int = 1) -> None:
+        images_per_s, per_step = median(values), args.batch_size * devices  # images per optimizer step
         row = {
             "run": name,
             "images_per_s": images_per_s,
             "s_per_epoch": EPOCH_IMAGES / images_per_s,
             "vs_plain": median(v / p for v, p in zip(values, plains, strict=True)),
             "spread": (max(values) - min(values)) / images_per_s,
+            "ms_per_step": 1e3 * per_step / images_per_s,
+            # what each step costs beyond the plain loop's (same batch per step only): host time on a GPU
+            "extra_ms_per_step": median(1e3 * per_step * (1 / v - 1 / p) for v, p in zip(values, plains, strict=True))
+            if devices == 1
+            else "",
             "tflops": images_per_s * per_image / 1e12,
             "of_peak": images_per_s * per_image / peak if peak else "",
         }
         rows.append(row)
+        extra = f"{row['extra_ms_per_step']:+7.2f} ms/step vs plain  " if devices == 1 else " " * 26
         spread = f"(spread {row['spread']:.1%} over {len(values)})"
-        print(f"{name:28s} {images_per_s:10,.0f} img/s  {row['s_per_epoch']:8.2f} s/epoch  "
-              f"{row['vs_plain']:.3f} x plain  {spread}", flush=True)  # fmt: skip
+        print(f"{name:30s} {images_per_s:10,.0f} img/s  {row['s_per_epoch']:8.2f} s/epoch  "
+              f"{row['vs_plain']:.3f} x plain  {extra}{spread}", flush=True)  # fmt: skip
 
     data_dir = Path(args.data_dir).resolve()
-    runs = [(f"cli.py fit {s} x1", s, 1) for s in args.strategies.split(",") if s]
+    runs = [(f"cli.py fit {s} x1", s, 1) for s in args.strategies.split(",") if s]  # (row name, strategy, devices)
     if not cuda and "ddp" in args.strategies:
         runs.append(("cli.py fit ddp x2 (processes)", "ddp", 2))
     plains: list[float] = []
     results: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     for repeat in range(args.repeats):
-        plains.append(plain_loop(args, device, images, labels))
+        plains.append(plain_loop(args, data_dir))
         print(f"repeat {repeat + 1}/{args.repeats}: plain {plains[-1]:,.0f} img/s", flush=True)
         for name, strategy, devices in runs:
             results[name].append(cli_fit(args, data_dir, strategy, devices))
             print(f"repeat {repeat + 1}/{args.repeats}: {name} {results[name][-1]:,.0f} img/s", flush=True)
     add("plain PyTorch loop", plains, plains)
-    for name, values in results.items():
-        add(name, values, plains)
+    for name, _, devices in runs:
+        add(name, results[name], plains, devices)
 
     batches = min(args.steps * 4, len(labels) // args.batch_size)
     ours = our_pipeline(args, device, data, batches)
@@ -240,9 +225,11 @@ def main() -> None:
         f"{args.channels_last}, compile {args.compile}, {args.steps} timed steps after {args.steps} warm-up, "
         f"median of {args.repeats} interleaved repeats; "
         f"{per_image / 1e9:.2f} GFLOP per training image; peak {peak / 1e12 if peak else 'unknown'} TFLOP/s. "
-        "vs_plain: images/s relative to the plain loop (for the data rows: ours / torchvision)."
+        "vs_plain: images/s relative to the plain loop (for the data rows: ours / torchvision); spread: (max - min) / "
+        "median; extra_ms_per_step: median paired difference of step times to the plain loop."
     )
-    columns = ["run", "images_per_s", "s_per_epoch", "vs_plain", "spread", "tflops", "of_peak"]
+    columns = ["run", "images_per_s", "s_per_epoch", "vs_plain", "spread", "ms_per_step", "extra_ms_per_step"]
+    columns += ["tflops", "of_peak"]
     path = record(f"speed-{args.arch}-b{args.batch_size}", "bench", rows, columns, notes)
     print(path.read_text())
 

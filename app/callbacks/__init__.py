@@ -4,6 +4,7 @@ from app.callbacks.activation_checkpointing import ActivationCheckpointing
 from app.callbacks.checkpoint import ModelCheckpoint
 from app.callbacks.prediction_writer import PredictionWriter
 from app.callbacks.preemption import Preempted, Preemption
+from app.callbacks.progress import ProgressBar
 from app.callbacks.rank_watchdog import RankWatchdog
 from app.callbacks.run_report import RunReport
 from app.callbacks.sync_batchnorm import AllReduceBatchNorm, SyncBatchNorm
@@ -17,6 +18,7 @@ __all__ = [
     "Preempted",
     "Preemption",
     "PredictionWriter",
+    "ProgressBar",
     "RankWatchdog",
     "RunReport",
     "SyncBatchNorm",

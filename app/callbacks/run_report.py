@@ -51,14 +51,16 @@ class RunReport(Callback):
         self._loss_sum = self._loss_sum + loss.detach().double() * n  # stays on the device: no sync per step
         self._run["steps"] += 1
 
-    def _pause(self) -> None:
+    def _pause(self, pl_module: LightningModule) -> None:
         if self._started is not None:
+            if pl_module.device.type == "cuda":  # count the kernels still queued, not just their launch
+                torch.cuda.synchronize(pl_module.device)
             self._train_seconds += time.perf_counter() - self._started
             self._started = None
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._pause()
+            self._pause(pl_module)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking and trainer.training:
@@ -66,7 +68,7 @@ class RunReport(Callback):
 
     # ---------------------------------------------------------------- the epoch line
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._pause()
+        self._pause(pl_module)
         self._run["images"] += self._images
         self._run["seconds"] += self._train_seconds
         # Every rank reaches this hook, so the reduction is safe; it makes the numbers global.
