@@ -18,6 +18,9 @@ def random_crop_flip(images: torch.Tensor, padding: int = 4, generator: torch.Ge
     source = generator.device if generator is not None else images.device
     offsets = torch.randint(0, 2 * padding + 1, (2, b), device=source, generator=generator)
     flip = torch.rand(b, device=source, generator=generator) < 0.5
+    if source.type == "cpu" and images.device.type == "cuda":
+        # From pinned memory the copy is queued like a kernel; from pageable memory CUDA first waits for the GPU.
+        offsets, flip = offsets.pin_memory(), flip.pin_memory()
     offsets, flip = offsets.to(images.device, non_blocking=True), flip.to(images.device, non_blocking=True)
     rows = (offsets[0, :, None] + torch.arange(h, device=images.device))[:, None, :, None]  # [B, 1, H, 1]
     cols = (offsets[1, :, None] + torch.arange(w, device=images.device))[:, None, None, :]  # [B, 1, 1, W]

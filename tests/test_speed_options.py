@@ -1,14 +1,21 @@
 """channels_last and compile: same results, same checkpoints; the progress bar's cost; the benchmark's pieces."""
 
+import collections
+import copy
+
 import pytest
 import torch
+import yaml
 from lightning.pytorch import Trainer
 from lightning.pytorch.demos.boring_classes import BoringModel
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.callbacks import ProgressBar
+from app.cli import DEFAULT_CALLBACKS
 from app.errors import UserError
 from app.model import ImageClassifier
 from bench.__main__ import flops_per_image
+from tests.conftest import CPU_TEST_CONFIG, run_cli
 
 
 def test_channels_last_gives_the_same_outputs_and_checkpoint_keys():
@@ -74,3 +81,48 @@ def test_progress_bar_reads_metrics_at_most_every_refresh_seconds_and_ends_full(
     assert throttled.progress.tasks[throttled.train_progress_bar_id].completed == 8
     with pytest.raises(ValueError, match="refresh_seconds must be >= 0"):
         ProgressBar(refresh_seconds=-1)
+
+
+# ================================================================================================ host reads
+# Ops that need a tensor's value on the host: item()/bool()/float() (all _local_scalar_dense), and ops whose
+# output size depends on the data. On a GPU each one waits until the device has computed its input, so the host
+# cannot queue the next step while the GPU works. Counted at the dispatcher, they are the same on CPU.
+HOST_READS = {"_local_scalar_dense", "nonzero", "_unique2", "unique_dim", "unique_consecutive", "masked_select"}
+
+
+class HostReads(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket.__name__ in HOST_READS:
+            self.count[func._overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_never_waits_for_the_device(workdir, data_dir):
+    """The default run (progress bar, checkpointing, run report, preemption, metrics, augmentation) as on a GPU:
+    8 more training steps cost no more host reads. Only the bar's redraws read (one per redraw; here it redraws
+    at the first and last batch), and the loggers every log_every_n_steps.
+
+    Before this was checked, a step read the device 4 times: torchmetrics' input checks (torch.unique of preds and
+    labels, "any NaN?" in MeanMetric) and Lightning's float() of every prog_bar=True value after each batch."""
+    callbacks = copy.deepcopy(DEFAULT_CALLBACKS)
+    bar = next(c for c in callbacks if c["class_path"] == "app.callbacks.ProgressBar")
+    bar["init_args"] = {"refresh_seconds": 3600}
+    (workdir / "callbacks.yaml").write_text(yaml.safe_dump({"trainer": {"callbacks": callbacks}}))
+
+    def host_reads(steps: int) -> collections.Counter[str]:
+        with HostReads() as reads:
+            run_cli(
+                "fit", "--config", str(CPU_TEST_CONFIG), "--config", "callbacks.yaml", f"--data.data_dir={data_dir}",
+                "--data.augment=true", "--data.batch_size=8", "--trainer.max_epochs=1", "--trainer.limit_val_batches=2",
+                f"--trainer.limit_train_batches={steps}", "--trainer.log_every_n_steps=1000",
+                "--trainer.enable_progress_bar=true",
+            )  # fmt: skip
+        return reads.count
+
+    few, more = host_reads(4), host_reads(12)
+    assert few["_local_scalar_dense"] > 0  # the counter sees reads (loading and checking the data, epoch end)
+    assert more == few, f"host reads per training step: {dict(more - few)} over 8 more steps"

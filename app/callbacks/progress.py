@@ -1,10 +1,16 @@
 """Lightning's rich progress bar, redrawn a few times a second instead of after every batch.
 
-Lightning 2.6's ``RichProgressBar`` redraws after every training batch and reads the progress-bar metrics each
-time (its ``refresh_rate`` only switches it on or off). Reading a logged tensor (``train/loss``) copies it to the
-CPU, so every step waited for the GPU to finish before the next step could be queued, and the redraw itself is
-host time the GPU then idles through. :class:`ProgressBar` draws at most every ``refresh_seconds``, and always at
-a loop's last batch, so the bar shows the same thing for a cost of one such wait per redraw.
+Two things in Lightning 2.6 make a GPU wait for the host at every training step when a progress bar is shown:
+
+- ``RichProgressBar`` redraws after every batch and reads the progress-bar metrics each time (its
+  ``refresh_rate`` only switches it on or off);
+- every value logged with ``prog_bar=True, on_step=True`` is turned into a Python float after every batch, by the
+  trainer itself, whether or not a bar is drawn.
+
+Reading a tensor's value on the host waits for the device to compute it, so the next step cannot be queued while
+the GPU works, and the redraw's host time is time the GPU idles. :class:`ProgressBar` draws at most every
+``refresh_seconds`` (and at each loop's last batch), and shows per-step values such as ``train/loss`` by reading
+them from the trainer's ``callback_metrics`` when it draws, so they can be logged without ``prog_bar=True``.
 """
 
 from __future__ import annotations
@@ -21,15 +27,25 @@ class ProgressBar(RichProgressBar):
 
     Args:
         refresh_seconds: Least time between two redraws. 0 redraws after every batch, as Lightning does.
+        show: Logged values to show besides those logged with ``prog_bar=True``; read only when the bar redraws.
         **kwargs: ``RichProgressBar``'s arguments (``leave``, ``theme``, ``console_kwargs``, ...).
     """
 
-    def __init__(self, refresh_seconds: float = 0.5, **kwargs: Any) -> None:
+    def __init__(self, refresh_seconds: float = 0.5, show: list[str] | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if refresh_seconds < 0:
             raise ValueError(f"refresh_seconds must be >= 0, got {refresh_seconds}")
         self.refresh_seconds = refresh_seconds
+        self.show = ["train/loss"] if show is None else list(show)
         self._drawn_at = float("-inf")
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        logged = trainer.callback_metrics
+        for name in self.show:
+            if name in logged and name not in items:
+                items[name] = float(logged[name])  # the one read of the device per redraw
+        return items
 
     def _due(self, batch_idx: int, total: float) -> bool:
         now = time.monotonic()
