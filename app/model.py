@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
-from torchmetrics import MeanMetric
+from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from app.checkpoint_io import safe_torch_load
@@ -25,6 +25,29 @@ from app.networks import Arch, Norm, build_resnet
 # d2l trains ResNet-18 with plain SGD at lr 0.1 per 256 images; momentum, Nesterov and weight decay are the
 # usual ImageNet-recipe additions. ``cli.py`` shows these as the ``--model.optimizer`` default.
 DEFAULT_SGD = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
+
+
+class WeightedMean(Metric):
+    """The mean of per-batch values weighted by their sample counts, summed over processes in ``compute()``.
+
+    torchmetrics' ``MeanMetric`` checks every update for NaN (a read of the device on the host, so a wait for the
+    GPU every step), and with the check disabled it drops the weights (torchmetrics issue #3434). A NaN loss
+    makes this mean NaN, which is what the log should show.
+    """
+
+    full_state_update = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
+        self.add_state("weight", default=torch.tensor(0.0), dist_reduce_fx="sum")
+
+    def update(self, value: torch.Tensor, weight: int) -> None:
+        self.total += value.detach().float() * weight
+        self.weight += weight
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.weight
 
 
 class ImageClassifier(LightningModule):
@@ -73,13 +96,12 @@ class ImageClassifier(LightningModule):
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.example_input_array = torch.zeros(2, 1, 28, 28)
         # One set of metric objects per stage; torchmetrics syncs their state across processes in compute().
-        # Their default input checks read tensors on the host (torch.unique of the labels, "any NaN?"): on a GPU
-        # each is a wait for the device, several per step. Our inputs are known good (argmax and labels in range);
-        # a NaN loss shows up as a NaN mean instead of an exception.
+        # No input checks: they read tensors on the host (torch.unique of predictions and labels), on a GPU a wait
+        # for the device every step; our inputs are argmax indices and labels, in range by construction.
         self.train_acc, self.val_acc, self.test_acc = (
             MulticlassAccuracy(num_classes, average="micro", validate_args=False) for _ in range(3)
         )
-        self.train_loss, self.val_loss, self.test_loss = (MeanMetric(nan_strategy="disable") for _ in range(3))
+        self.train_loss, self.val_loss, self.test_loss = WeightedMean(), WeightedMean(), WeightedMean()
 
     def configure_model(self) -> None:
         """Layout and compilation, applied once the model is on its device and before the strategy wraps it."""
@@ -124,7 +146,7 @@ class ImageClassifier(LightningModule):
         target, loss = outputs["target"], outputs["batch_loss"]
         acc, mean_loss = getattr(self, f"{stage}_acc"), getattr(self, f"{stage}_loss")
         acc.update(outputs["preds"], target)
-        mean_loss.update(loss, weight=target.numel())
+        mean_loss.update(loss, target.numel())
         if stage == "train":
             # Not prog_bar=True: Lightning turns progress-bar values into Python floats after every batch, a wait
             # for the GPU each step. app.callbacks.ProgressBar shows train/loss, read only when it redraws.
