@@ -10,9 +10,9 @@
 3. the data pipeline alone: our loader (one indexing op per batch, transforms on the device) against
    torchvision's ``FashionMNIST`` + ``DataLoader`` with per-sample ``ToTensor``/``Normalize``.
 
-``--repeats N`` runs 1 and 2 N times, interleaved (plain, then each ``cli.py fit``, then plain again ...), and
-reports medians; the ratio to the plain loop is the median of the N paired ratios, so slow drifts of a shared
-machine cancel. ``spread`` is (max - min) / median of a row's N values.
+``--repeats N`` runs 1 and 2 N times, interleaved (plain, then each ``cli.py fit``, then plain again ..., the order
+rotated by one each repeat), and reports medians; the ratio to the plain loop is the median of the N paired
+ratios, so slow drifts of a shared machine cancel. ``spread`` is (max - min) / median of a row's N values.
 
 Prints images/s, seconds per 55k-image epoch, the ratio to the plain loop and the fraction of the FLOP ceiling
 (FLOPs counted with ``torch.utils.flop_counter``; the peak from ``--peak-tflops`` or a table of known GPUs), and
@@ -202,12 +202,14 @@ def main() -> None:
         runs.append(("cli.py fit ddp x2 (processes)", "ddp", 2))
     plains: list[float] = []
     results: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    jobs = [("plain PyTorch loop", None, 1), *runs]
     for repeat in range(args.repeats):
-        plains.append(plain_loop(args, data_dir))
-        print(f"repeat {repeat + 1}/{args.repeats}: plain {plains[-1]:,.0f} img/s", flush=True)
-        for name, strategy, devices in runs:
-            results[name].append(cli_fit(args, data_dir, strategy, devices))
-            print(f"repeat {repeat + 1}/{args.repeats}: {name} {results[name][-1]:,.0f} img/s", flush=True)
+        # Rotated each repeat: no run always follows the same one (a 2-process run heats or throttles a shared VM).
+        shift = repeat % len(jobs)
+        for name, strategy, devices in jobs[shift:] + jobs[:shift]:
+            value = plain_loop(args, data_dir) if strategy is None else cli_fit(args, data_dir, strategy, devices)
+            (plains if strategy is None else results[name]).append(value)
+            print(f"repeat {repeat + 1}/{args.repeats}: {name} {value:,.0f} img/s", flush=True)
     add("plain PyTorch loop", plains, plains)
     for name, _, devices in runs:
         add(name, results[name], plains, devices)
