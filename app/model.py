@@ -1,9 +1,11 @@
 """The task: classify Fashion-MNIST with a ResNet, as a LightningModule.
 
 The ``*_step`` methods only compute: they return the loss, the predicted classes and the targets of their batch.
-Metrics are updated and values logged in the ``on_*_batch_end`` hooks, which always run on the root module with
-the whole batch's outputs. That keeps the module strategy-agnostic: under ``dp`` the steps run on replicas (one
-chunk each) whose state is thrown away, and the strategy combines their outputs before the hooks see them.
+Metrics are updated (and ``train/loss`` logged) in the ``on_*_batch_end`` hooks, which always run on the root
+module with the whole batch's outputs; the metric objects are logged once, in ``on_*_epoch_end``. That keeps the
+module strategy-agnostic: under ``dp`` the steps run on replicas (one chunk each) whose state is thrown away, and
+the strategy combines their outputs before the hooks see them. Nothing here reads a device value on the host
+during a step (see the README's Performance section): on a GPU the next step is queued while this one computes.
 """
 
 from __future__ import annotations
