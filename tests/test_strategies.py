@@ -145,3 +145,23 @@ def test_dp_keeps_only_chunk_zero_batchnorm_update():
     expected.training_step((x[:4], y[:4]), 0)
     assert torch.equal(model.net.bn1.running_mean, expected.net.bn1.running_mean)
     assert int(model.net.bn1.num_batches_tracked) == 1
+
+
+def test_dp_on_one_device_is_the_single_device_run(monkeypatch, tmp_path):
+    """Like nn.DataParallel, dp over one device runs the module directly (no split, replicate or gather: on a GPU
+    those would cost every step), and trains to exactly the single-device weights."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    import app.strategies.dp as dp
+
+    def fit(strategy: str) -> dict:
+        torch.manual_seed(0)
+        model = BoringModel()
+        options = dict(max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        Trainer(strategy=strategy, accelerator="cpu", devices=1, default_root_dir=tmp_path, **options).fit(model)
+        return model.state_dict()
+
+    monkeypatch.setattr(dp, "split_batch", lambda *args: pytest.fail("dp split the batch of a one-device run"))
+    single, one_device_dp = fit("auto"), fit("dp")
+    assert single.keys() == one_device_dp.keys()
+    assert all(torch.equal(single[k], one_device_dp[k]) for k in single)

@@ -131,6 +131,8 @@ class DataParallelStrategy(ParallelStrategy):
 
     def _data_parallel(self, step: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
+        if len(self.parallel_devices) == 1:  # as nn.DataParallel: nothing to split, replicate or gather
+            return getattr(module, step)(batch, *args, **kwargs)
         if self.root_device.type == "cuda":
             chunks = scatter(batch, [d.index for d in self.parallel_devices], dim=0)
             replicas = replicate(module, self.parallel_devices[: len(chunks)], detach=not torch.is_grad_enabled())
