@@ -29,7 +29,7 @@ from torchvision.datasets import FashionMNIST
 from app import synthetic
 from app.augment import normalize, random_crop_flip
 from app.errors import UserError
-from app.idx import DataFileError, md5sum, read_idx, write_idx
+from app.idx import DataFileError, atomic_write_bytes, md5sum, read_idx, write_idx
 from app.loader import ResumableLoader, ResumableSampler
 
 Source = Literal["auto", "fashion_mnist", "synthetic"]
@@ -44,6 +44,7 @@ SPLITS = {  # split -> (images file, labels file, number of samples)
 }
 KNOWN_MD5 = dict(FashionMNIST.resources)  # {"train-images-idx3-ubyte.gz": "8d4f...", ...}
 SYNTHETIC_SEED = 0
+SYNTHETIC_STAMP = "GENERATOR"  # beside the synthetic files: which app.synthetic version wrote them
 
 
 class TensorImageDataset(Dataset):
@@ -141,12 +142,32 @@ class FashionMNISTDataModule(LightningDataModule):
             socket.setdefaulttimeout(old_timeout)
 
     def _write_synthetic(self) -> None:
-        for split, (images_file, labels_file, count) in SPLITS.items():
-            if (self.synthetic_dir / images_file).exists() and (self.synthetic_dir / labels_file).exists():
-                continue
-            images, labels = synthetic.generate(count, seed=SYNTHETIC_SEED + (split == "test"))
-            write_idx(self.synthetic_dir / images_file, images)
-            write_idx(self.synthetic_dir / labels_file, labels)
+        """Write the stand-in's files, unless this generator's version already wrote them (its stamp says so).
+
+        Both splits come from one seed, so the test split holds new samples of the training split's classes.
+        Files without the stamp, or with an older one, are written again: an older generator made the test
+        split from other classes.
+        """
+        stamp = self.synthetic_dir / SYNTHETIC_STAMP
+        expected = f"app.synthetic version {synthetic.VERSION}, seed {SYNTHETIC_SEED}\n"
+        files = [self.synthetic_dir / name for images, labels, _ in SPLITS.values() for name in (images, labels)]
+        if stamp.is_file() and stamp.read_text() == expected and all(f.exists() for f in files):
+            return
+        if any(f.exists() for f in files):
+            rank_zero_info(
+                f"{self.synthetic_dir}: synthetic files from an older version of app/synthetic.py; writing them again"
+            )
+        try:
+            for images_file, labels_file, count in SPLITS.values():
+                images, labels = synthetic.generate(count, seed=SYNTHETIC_SEED)
+                write_idx(self.synthetic_dir / images_file, images)
+                write_idx(self.synthetic_dir / labels_file, labels)
+            atomic_write_bytes(stamp, expected.encode())  # last: a stamp vouches for finished files only
+        except OSError as err:
+            raise DataFileError(
+                f"{self.synthetic_dir}: cannot write the synthetic files ({err.strerror}); make the folder writable "
+                "or pass another --data.data_dir"
+            ) from None
 
     def prepare_data(self) -> None:
         """Runs once per node (local rank 0): fetch the files, then read and check both splits.

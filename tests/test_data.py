@@ -37,6 +37,60 @@ def test_synthetic_is_learnable_but_not_trivial():
     assert 0.3 < acc < 0.9, acc
 
 
+def _centroid_accuracy(train, evaluated) -> float:
+    """Accuracy on ``evaluated`` of the nearest class mean of ``train``: a classifier that only knows the classes."""
+    (x, y), (xe, ye) = [(images.flatten(1).float(), labels.long()) for images, labels in (train, evaluated)]
+    centroids = torch.stack([x[y == c].mean(0) for c in range(10)])
+    return (torch.cdist(xe, centroids).argmin(1) == ye).float().mean().item()
+
+
+def test_synthetic_test_split_is_new_samples_of_the_training_classes(data_dir):
+    """What the training split teaches scores the same on held-out training samples and on the test split."""
+    dm = FashionMNISTDataModule(data_dir=str(data_dir), source="synthetic")
+    train_images, train_labels = dm.load_split("train")
+    test_images, test_labels = dm.load_split("test")
+    fit, held_out = slice(0, 20_000), slice(50_000, 60_000)
+    train_part = (train_images[fit], train_labels[fit])
+    val_acc = _centroid_accuracy(train_part, (train_images[held_out], train_labels[held_out]))
+    test_acc = _centroid_accuracy(train_part, (test_images, test_labels))
+    assert val_acc > 0.3 and abs(test_acc - val_acc) < 0.02, (val_acc, test_acc)  # other classes: about 0.1
+    assert not torch.equal(test_images[:100], train_images[:100])  # new samples, not a copy
+
+
+def test_synthetic_files_of_an_older_generator_are_written_again(tmp_path, data_dir, caplog):
+    """Files without the generator's stamp (what version 1 wrote) or with an older stamp are replaced, not reused."""
+    import shutil
+
+    raw = tmp_path / "FashionMNIST-synthetic" / "raw"
+    shutil.copytree(data_dir / "FashionMNIST-synthetic" / "raw", raw)
+    good = {p.name: p.read_bytes() for p in raw.iterdir()}
+    for stamp in (None, "app.synthetic version 1, seed 0\n"):
+        old_images, old_labels = synthetic.generate(10_000, seed=1)  # version 1's test split: other prototypes
+        write_idx(raw / "t10k-images-idx3-ubyte", old_images)
+        write_idx(raw / "t10k-labels-idx1-ubyte", old_labels)
+        (raw / "GENERATOR").unlink()
+        if stamp is not None:
+            (raw / "GENERATOR").write_text(stamp)
+        with caplog.at_level("INFO"):
+            FashionMNISTDataModule(data_dir=str(tmp_path), source="synthetic").prepare_data()
+        assert "older version of app/synthetic.py; writing them again" in caplog.text
+        assert {p.name: p.read_bytes() for p in raw.iterdir()} == good
+        caplog.clear()
+
+
+def test_synthetic_files_are_readable_by_others(tmp_path):
+    """A shared data folder: files get the usual permissions (umask), not mkstemp's 0600."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        FashionMNISTDataModule(data_dir=str(tmp_path), source="synthetic").prepare_data()
+    finally:
+        os.umask(old)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "FashionMNIST-synthetic" / "raw").iterdir()}
+    assert set(modes.values()) == {0o644}, modes
+
+
 def test_idx_roundtrip_plain_and_gz(tmp_path):
     t = torch.randint(0, 256, (7, 28, 28), dtype=torch.uint8)
     for name in ("x-idx3-ubyte", "x-idx3-ubyte.gz"):
