@@ -6,7 +6,11 @@ The file is a dict of plain data (it loads with ``torch.load(path, weights_only=
 
 - ``state_dict``: the network's weights with torchvision's names (no ``net.``/``module.`` prefixes);
 - ``network``: the arguments of :func:`app.networks.build_resnet` that rebuild it (arch, num_classes, norm);
-- ``classes``, ``normalize`` (mean, std) and ``input`` (``[1, 28, 28]``): how to feed it and read its output.
+- ``classes``, ``normalize`` (mean, std) and ``input`` (``[1, 28, 28]``): how to feed it and read its output;
+- where it came from: ``trained_on`` (the data source the run resolved: ``fashion_mnist`` or ``synthetic``),
+  ``metrics`` (the checkpoint's monitored score, e.g. ``val/acc``, and the run's best), ``epoch``,
+  ``global_step``, ``checkpoint`` (the path exported) and ``git_commit`` (of this checkout, ``+dirty`` with
+  uncommitted changes; None outside a git checkout).
 
 To use it::
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,8 @@ FORMAT = "fashion-resnet-export/1"
 
 def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     out = Path(out)
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; give a file name such as {out / 'model.pt'}")
     if out.exists() and not overwrite:
         raise UserError(f"--out {out} already exists; choose another path or pass --overwrite")
     checkpoint = load_checkpoint(ckpt_path)
@@ -48,15 +55,66 @@ def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> P
         "classes": list(CLASSES[: network["num_classes"]]),
         "normalize": {"mean": MEAN, "std": STD},
         "input": [1, 28, 28],
-        "trained_on": hp.get("resolved_source", "unknown"),
+        "trained_on": trained_on(checkpoint),
+        "metrics": checkpoint_metrics(checkpoint),
+        "epoch": checkpoint.get("epoch"),
         "global_step": checkpoint.get("global_step"),
+        "checkpoint": str(ckpt_path),
+        "git_commit": git_commit(),
     }
     build_resnet(**network).load_state_dict(payload["state_dict"], strict=True)  # refuse to write a broken file
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial")
-    torch.save(payload, partial)
-    os.replace(partial, out)  # a reader never sees half a file
+    try:
+        torch.save(payload, partial)
+        os.replace(partial, out)  # a reader never sees half a file
+    except OSError as err:
+        raise UserError(f"--out {out}: cannot write it ({err.strerror or err})") from None
+    finally:
+        partial.unlink(missing_ok=True)
     return out
+
+
+def trained_on(checkpoint: dict) -> str:
+    """The data source the run resolved (``auto`` becomes ``fashion_mnist`` or ``synthetic``)."""
+    for key in ("datamodule_hyper_parameters", "hyper_parameters"):
+        source = (checkpoint.get(key) or {}).get("resolved_source")
+        if source:
+            return str(source)
+    return "unknown"
+
+
+def checkpoint_metrics(checkpoint: dict) -> dict[str, float]:
+    """The monitored score when the checkpoint was written, and the best of the run so far (ModelCheckpoint's)."""
+    metrics: dict[str, float] = {}
+    for state in (checkpoint.get("callbacks") or {}).values():
+        monitor = state.get("monitor") if isinstance(state, dict) else None
+        if not monitor:
+            continue
+        if state.get("current_score") is not None:
+            metrics[monitor] = float(state["current_score"])
+        if state.get("best_model_score") is not None:
+            metrics[f"best {monitor}"] = float(state["best_model_score"])
+    return metrics
+
+
+def git_commit() -> str | None:
+    """This checkout's commit (``+dirty`` with uncommitted changes), or None outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):  # no git installed
+        return None
+    return head.stdout.strip() + ("+dirty" if status.stdout.strip() else "")
 
 
 def load_exported(path: str | Path) -> nn.Module:

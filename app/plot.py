@@ -1,7 +1,9 @@
 """``python cli.py plot lightning_logs/version_N``: loss, accuracy and images/s per epoch, as a PNG next to the run.
 
 Reads the run's ``metrics.csv`` (written by the CSV logger) and writes ``plot.png`` in the same folder (``--out`` to
-choose another path). Needs matplotlib: ``pip install -e ".[plot]"``.
+choose another path): the epoch losses over the per-step loss, the accuracies, and training images/s from 0. The
+title says which data the run trained on, in red when it was the synthetic stand-in. Needs matplotlib:
+``pip install -e ".[plot]"``.
 """
 
 from __future__ import annotations
@@ -20,23 +22,71 @@ PANELS = (
     ("accuracy", ("train/acc", "val/acc")),
     ("images/s (training)", ("perf/images_per_s",)),
 )
+STEP_LOSS = "train/loss"  # logged every log_every_n_steps, drawn faintly under the epoch losses
+
+
+def _read_rows(metrics_csv: Path) -> list[dict[str, str]]:
+    try:
+        with open(metrics_csv, newline="", encoding="utf-8") as f:
+            return list(csv.DictReader(f))
+    except (UnicodeDecodeError, csv.Error) as err:
+        raise UserError(f"{metrics_csv}: not a metrics.csv written by a run ({err})") from None
+
+
+def _number(metrics_csv: Path, row: dict[str, str], name: str) -> float:
+    try:
+        return float(row[name])
+    except ValueError:
+        raise UserError(f"{metrics_csv}: {name}={row[name]!r} is not a number; not a metrics.csv of a run") from None
 
 
 def epoch_metrics(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
-    """``{metric: [(epoch, value), ...]}`` for every per-epoch metric of a ``metrics.csv``."""
-    series: dict[str, list[tuple[int, float]]] = defaultdict(list)
-    with open(metrics_csv, newline="") as f:
-        for row in csv.DictReader(f):
-            if not row.get("epoch"):
-                continue
-            for _, names in PANELS:
-                for name in names:
-                    if row.get(name):
-                        series[name].append((int(row["epoch"]), float(row[name])))
-    return series
+    """``{metric: [(epoch, value), ...]}`` for every per-epoch metric of a ``metrics.csv``, sorted by epoch.
+
+    A run resumed into the same folder may log an epoch twice (the interrupted one, then again): the last wins.
+    """
+    series: dict[str, dict[int, float]] = defaultdict(dict)
+    for row in _read_rows(metrics_csv):
+        if not row.get("epoch"):
+            continue
+        epoch = int(_number(metrics_csv, row, "epoch"))
+        for _, names in PANELS:
+            for name in names:
+                if row.get(name):
+                    series[name][epoch] = _number(metrics_csv, row, name)
+    return {name: sorted(values.items()) for name, values in series.items()}
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def step_losses(metrics_csv: Path) -> list[tuple[float, float]]:
+    """``[(x, loss), ...]`` of the per-step training loss, x in epochs trained: epoch e's steps over (e, e + 1]."""
+    per_epoch: dict[int, dict[int, float]] = defaultdict(dict)
+    for row in _read_rows(metrics_csv):
+        if row.get(STEP_LOSS) and row.get("epoch") and row.get("step"):
+            epoch, step = int(_number(metrics_csv, row, "epoch")), int(_number(metrics_csv, row, "step"))
+            per_epoch[epoch][step] = _number(metrics_csv, row, STEP_LOSS)
+    points = []
+    for epoch, losses in sorted(per_epoch.items()):
+        steps = sorted(losses)
+        points += [(epoch + (i + 1) / len(steps), losses[s]) for i, s in enumerate(steps)]
+    return points
+
+
+def data_source(run_dir: Path) -> str | None:
+    """The data the run trained on (``resolved_source`` in its ``hparams.yaml``), or None if it does not say."""
+    hparams = run_dir / "hparams.yaml"
+    if not hparams.is_file():
+        return None
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(hparams.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return None
+    return loaded.get("resolved_source") if isinstance(loaded, dict) else None
+
+
+def figure(run_dir: str | Path):
+    """The run's figure (a matplotlib ``Figure``): loss, accuracy and images/s panels, titled with its data."""
     run_dir = Path(run_dir)
     metrics_csv = run_dir / "metrics.csv"
     if not metrics_csv.is_file():
@@ -46,28 +96,54 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise UserError('plot needs matplotlib: pip install -e ".[plot]"') from None
     series = epoch_metrics(metrics_csv)
     if not series:
         raise UserError(f"{metrics_csv}: no per-epoch metrics yet (has an epoch finished?)")
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.6), constrained_layout=True)
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.8), constrained_layout=True)
     for ax, (title, names) in zip(axes, PANELS, strict=True):
+        if title == "loss" and (steps := step_losses(metrics_csv)):
+            ax.plot(*zip(*steps, strict=True), color="0.6", linewidth=0.8, alpha=0.6, label=f"{STEP_LOSS} (per step)")
         for name in names:
             if series.get(name):
                 epochs, values = zip(*series[name], strict=True)
-                ax.plot(epochs, values, marker="o", label=name)
+                ax.plot([e + 1 for e in epochs], values, marker="o", label=name)  # at the end of epoch e
         ax.set_title(title)
-        ax.set_xlabel("epoch")
+        ax.set_xlabel("epochs trained")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()
-    fig.suptitle(str(run_dir))
-    out = Path(out) if out else run_dir / "plot.png"
+    axes[-1].set_ylim(bottom=0)  # speed from 0: run-to-run noise is not a trend
+    source = data_source(run_dir)
+    if source == "synthetic":
+        fig.suptitle(
+            f"{run_dir}  —  SYNTHETIC stand-in data: these accuracies say nothing about Fashion-MNIST", color="red"
+        )
+    else:
+        fig.suptitle(f"{run_dir}  —  data: {source or 'unknown'}")
+    return fig
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Draw :func:`figure` into ``out`` (default ``RUN_DIR/plot.png``), atomically; returns the path written."""
+    out = Path(out) if out else Path(run_dir) / "plot.png"
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder; give a file name such as {out / 'plot.png'}")
+    fig = figure(run_dir)
+    import matplotlib.pyplot as plt
+
     partial = out.with_name(f".{out.name}.partial.png")
-    fig.savefig(partial, dpi=100)
-    plt.close(fig)
-    os.replace(partial, out)
+    try:
+        fig.savefig(partial, dpi=100)
+        os.replace(partial, out)
+    except OSError as err:
+        raise UserError(f"--out {out}: cannot write it ({err.strerror})") from None
+    finally:
+        plt.close(fig)
+        partial.unlink(missing_ok=True)
     return out
 
 

@@ -55,6 +55,51 @@ def test_plot_draws_loss_accuracy_and_speed_of_a_real_run(run_dir, tmp_path):
     assert image.float().std() > 10  # lines and text, not a blank canvas
 
 
+def test_plot_reads_as_a_person_expects(run_dir):
+    """Whole-epoch ticks, the per-step loss under the epoch losses, speed from 0, and the data named in the title."""
+    from app.plot import figure, step_losses
+
+    fig = figure(run_dir)
+    loss_ax, acc_ax, speed_ax = fig.axes
+    for ax in fig.axes:
+        low, high = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if low <= t <= high]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+    per_step = [line for line in loss_ax.lines if "per step" in line.get_label()]
+    steps = [row for row in read_rows(run_dir / "metrics.csv") if row.get("train/loss")]
+    assert len(per_step) == 1 and len(per_step[0].get_xdata()) == len(steps) == len(
+        step_losses(run_dir / "metrics.csv")
+    )
+    assert max(per_step[0].get_xdata()) == 2  # two epochs trained
+    assert speed_ax.get_ylim()[0] == 0
+    assert "SYNTHETIC stand-in" in fig._suptitle.get_text()
+
+
+def read_rows(path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("case", ["binary", "text epoch", "out is a folder"])
+def test_plot_of_bad_input_is_one_line_and_writes_nothing(run_dir, tmp_path, case, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    (run / "plot.png").unlink(missing_ok=True)
+    args = ["plot", str(run)]
+    if case == "binary":
+        (run / "metrics.csv").write_bytes(bytes(range(256)) * 10)
+    elif case == "text epoch":
+        text = (run / "metrics.csv").read_text().splitlines()
+        (run / "metrics.csv").write_text("\n".join(text[:1] + ["zero," + text[-1].split(",", 1)[1]]) + "\n")
+    else:
+        args += ["--out", str(tmp_path)]
+    code, err = exit_code_and_stderr(capsys, *args)
+    assert code == 2 and err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
+    assert not list(run.glob("*.png")) and not list(run.glob(".*partial*")) and not list(tmp_path.glob(".*partial*"))
+
+
 def exit_code_and_stderr(capsys, *args: str) -> tuple[int, str]:
     with pytest.raises(SystemExit) as exit_info:
         run_cli(*args)
@@ -76,6 +121,12 @@ def test_export_rebuilds_the_network_with_identical_predictions(run_dir, tmp_pat
 
     payload = torch.load(out, weights_only=True)  # plain data
     assert payload["network"] == {"arch": "resnet_tiny", "num_classes": 10, "norm": "batch"}
+    # Where it came from: the data, the checkpoint's scores, and this checkout's commit.
+    assert payload["trained_on"] == "synthetic"
+    assert set(payload["metrics"]) == {"val/acc", "best val/acc"} and 0 <= payload["metrics"]["val/acc"] <= 1
+    assert payload["epoch"] == 1 and payload["global_step"] > 0 and payload["checkpoint"] == str(ckpt)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert payload["git_commit"].removesuffix("+dirty") == head
     assert not any(k.startswith(("net.", "module.")) for k in payload["state_dict"])
     fresh = build_resnet(**payload["network"])
     fresh.load_state_dict(payload["state_dict"], strict=True)
