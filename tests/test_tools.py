@@ -197,6 +197,36 @@ def test_predict_on_a_folder_of_png_images(run_dir, data_dir, workdir):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "ddp_spawn", "horovod"])
+def test_predict_with_two_processes_predicts_every_image_once(run_dir, data_dir, tmp_path, strategy):
+    """7 images over 2 ranks: the sampler pads to 8, yet predictions.csv has each image once, as one device predicts."""
+    images = torch.as_tensor(read_idx(data_dir / "FashionMNIST-synthetic" / "raw" / "t10k-images-idx3-ubyte")[:7])
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    for i, image in enumerate(images):
+        write_png(image[None], str(folder / f"item{i}.png"))
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    args = ["predict", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--ckpt_path", str(ckpt)]
+    args += ["--data.predict_dir", str(folder), f"--trainer.strategy={strategy}", "--trainer.devices=2"]
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (version,) = (tmp_path / "lightning_logs").glob("version_*")
+    rows = read_predictions(version)
+    assert [r["name"] for r in rows] == [f"item{i}.png" for i in range(7)]
+    with torch.no_grad():
+        expected = load_network(ckpt)(normalized(images)).argmax(1).tolist()
+    assert [int(r["pred"]) for r in rows] == expected
+
+
+@pytest.mark.slow
 def test_predict_on_the_test_set_writes_true_labels(run_dir, data_dir, workdir):
     ckpt = run_dir / "checkpoints" / "last.ckpt"
     run_cli("predict", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--ckpt_path", str(ckpt))

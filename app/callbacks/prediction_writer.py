@@ -2,6 +2,8 @@
 
 One row per sample, in dataset order, from every rank: ``index, name, label, pred, class, prob``, where ``name`` is
 the image's file name (``--data.predict_dir``) or ``test[i]``, and ``label`` the true class (-1 when unknown).
+With several processes every rank sends its rows to rank 0, which writes the file; a sample that a distributed
+sampler gave to two ranks (it pads the last batches so that every rank has as many) is written once.
 """
 
 from __future__ import annotations
@@ -43,10 +45,12 @@ class PredictionWriter(BasePredictionWriter):
             everyone: list = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, rows)
             rows = [row for part in everyone for row in part]
+        rows = list({row[0]: row for row in rows}.values())  # one row per sample index
+        log_dir = trainer.log_dir  # a collective under ddp: every rank must ask, not only rank 0
         if not trainer.is_global_zero:
             return
         names = getattr(trainer.datamodule, "predict_names", None) or []
-        folder = Path(trainer.log_dir or ".")
+        folder = Path(log_dir or ".")
         folder.mkdir(parents=True, exist_ok=True)
         path, partial = folder / self.filename, folder / f".{self.filename}.partial"
         with open(partial, "w", newline="") as f:
