@@ -177,6 +177,7 @@ class FashionMNISTDataModule(LightningDataModule):
         """
         self._fetch_files()
         self._loaded = {split: self.load_split(split) for split in SPLITS}
+        self._check_train_size(len(self._loaded["train"][1]))
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_loaded": {}}  # spawned/MPI ranks read the files themselves
@@ -204,6 +205,15 @@ class FashionMNISTDataModule(LightningDataModule):
                 "Its accuracy says nothing about Fashion-MNIST.\n" + "!" * 100
             )
             self._write_synthetic()
+
+    def _check_train_size(self, loaded: int) -> None:
+        """Validation takes ``val_size`` of the training files; training needs at least one sample left."""
+        if loaded <= self.hparams.val_size:
+            folder = self.synthetic_dir if self.resolve_source() == "synthetic" else self.real_dir
+            raise UserError(
+                f"--data.val_size={self.hparams.val_size}: the training files in {folder} hold only {loaded} "
+                "samples; pass a smaller --data.val_size, or check the files"
+            )
 
     def resolve_source(self) -> str:
         if self.hparams.source != "auto":
@@ -248,6 +258,7 @@ class FashionMNISTDataModule(LightningDataModule):
         self.hparams.resolved_source = self.resolve_source()
         if stage in ("fit", "validate") and self.train_set is None:
             images, labels = self.load_split("train")
+            self._check_train_size(len(labels))
             perm = torch.randperm(len(labels), generator=torch.Generator().manual_seed(self.hparams.seed))
             val_idx, train_idx = perm[: self.hparams.val_size], perm[self.hparams.val_size :]
             self.train_set = TensorImageDataset(images[train_idx], labels[train_idx])

@@ -55,6 +55,8 @@ def read_idx(path: str | os.PathLike, ndim: int | None = None) -> torch.Tensor:
             f"{path}: {what}: {len(data)} bytes for shape {tuple(shape)}, expected {expected}; "
             "delete it and download it again"
         )
+    if not math.prod(shape):
+        return torch.empty(shape, dtype=torch.uint8)  # valid, if useless: the caller says what it needed
     return torch.frombuffer(bytearray(data[header:]), dtype=torch.uint8).reshape(shape)
 
 

@@ -216,3 +216,22 @@ def test_gz_writer_is_deterministic(tmp_path):
     t = torch.ones(3, dtype=torch.uint8)
     write_idx(tmp_path / "a.gz", t)
     assert gzip.decompress((tmp_path / "a.gz").read_bytes())[:4] == b"\x00\x00\x08\x01"
+
+
+@pytest.mark.parametrize("samples", [0, 100])
+def test_val_size_is_checked_against_the_samples_loaded(tmp_path, data_dir, samples):
+    """A training file smaller than --data.val_size is one clear error (it used to train on nothing, exit 0)."""
+    from app.errors import UserError
+
+    dm = _synthetic_dm(tmp_path, data_dir)
+    images, labels = (
+        synthetic.generate(samples, seed=0) if samples else (torch.zeros(0, 28, 28, dtype=torch.uint8),) * 2
+    )
+    write_idx(dm.synthetic_dir / "train-images-idx3-ubyte", images)
+    write_idx(dm.synthetic_dir / "train-labels-idx1-ubyte", labels if samples else torch.zeros(0, dtype=torch.uint8))
+    dm = FashionMNISTDataModule(data_dir=str(tmp_path / "d"), source="synthetic", val_size=256)
+    message = rf"--data.val_size=256: the training files in .* hold only {samples} samples"
+    with pytest.raises(UserError, match=message):
+        dm.prepare_data()  # before any run folder exists
+    with pytest.raises(UserError, match=message):
+        dm.setup("fit")  # and on ranks that did not prepare
