@@ -40,6 +40,7 @@ DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.RunReport"},
     {"class_path": "app.callbacks.PredictionWriter"},
     {"class_path": "app.callbacks.Preemption"},
+    {"class_path": "app.callbacks.StopOnNonFinite"},
 ]
 
 

@@ -63,6 +63,9 @@ def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> P
         "git_commit": git_commit(),
     }
     build_resnet(**network).load_state_dict(payload["state_dict"], strict=True)  # refuse to write a broken file
+    bad = [name for name, t in payload["state_dict"].items() if t.is_floating_point() and not t.isfinite().all()]
+    if bad:
+        raise UserError(f"{ckpt_path}: {len(bad)} weight tensor(s) hold inf or nan (e.g. {bad[0]}): a diverged run")
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(f".{out.name}.partial")
     try:

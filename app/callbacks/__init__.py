@@ -2,6 +2,7 @@
 
 from app.callbacks.activation_checkpointing import ActivationCheckpointing
 from app.callbacks.checkpoint import ModelCheckpoint
+from app.callbacks.divergence import Diverged, StopOnNonFinite
 from app.callbacks.prediction_writer import PredictionWriter
 from app.callbacks.preemption import Preempted, Preemption
 from app.callbacks.progress import ProgressBar
@@ -13,6 +14,7 @@ from app.callbacks.warmup import LRWarmup
 __all__ = [
     "ActivationCheckpointing",
     "AllReduceBatchNorm",
+    "Diverged",
     "LRWarmup",
     "ModelCheckpoint",
     "Preempted",
@@ -21,5 +23,6 @@ __all__ = [
     "ProgressBar",
     "RankWatchdog",
     "RunReport",
+    "StopOnNonFinite",
     "SyncBatchNorm",
 ]

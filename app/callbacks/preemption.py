@@ -30,6 +30,16 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
 
 
+def wait_for_local_ranks(trainer) -> None:
+    """Rank 0 of a ``ddp`` launch started the other local ranks: when all ranks stop together, it returns only after
+    they have exited too (or kills them after ``WAIT_FOR_RANKS_S``), so the job's exit is the whole run's exit."""
+    for process in getattr(trainer.strategy.launcher, "procs", []):
+        try:
+            process.wait(timeout=WAIT_FOR_RANKS_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 class Preempted(SystemExit):
     """Raised on every rank after the preemption checkpoint; exits the process with ``128 + signal``."""
 
@@ -127,14 +137,8 @@ class Preemption(Callback):
         return Path(path)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        # Rank 0 of a ``ddp`` launch started the other local ranks: it returns only after they have exited too,
-        # so the job's exit is the whole run's exit.
         if isinstance(exception, Preempted):
-            for process in getattr(trainer.strategy.launcher, "procs", []):
-                try:
-                    process.wait(timeout=WAIT_FOR_RANKS_S)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+            wait_for_local_ranks(trainer)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._collect()  # the last step's reduction, issued by every rank
