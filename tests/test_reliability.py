@@ -274,6 +274,27 @@ def test_a_rank_killed_with_sigkill_stops_the_others_naming_it(strategy, victim,
     load_checkpoint(last)
 
 
+def test_a_stopped_rank_0_is_detected_by_the_others(workdir, data_dir):
+    """SIGSTOP of the ddp parent (rank 0, host of the rendezvous store): rank 1 stops within the timeout, naming it."""
+    process, log = start(workdir, data_dir, "--trainer.strategy=ddp", "--trainer.devices=2", "--watchdog.timeout=8")
+    try:
+        wait_until_checkpointed(process, workdir, log)
+        (rank1,) = children(process.pid)
+        os.kill(process.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        wait_for(lambda: not alive(rank1), 40, "rank 1 to notice that rank 0 stopped")
+        waited = time.monotonic() - t0
+    finally:
+        for pid in children(process.pid) | {process.pid}:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait(timeout=10)
+    output = log.read_text()
+    assert re.search(r"\[rank 1\] lost rank 0: the rendezvous store on rank 0 has not answered", output), output[-3000:]
+    assert "restart with the same command plus --ckpt_path last" in output
+    assert waited < 8 + 15, waited
+
+
 # ------------------------------------------------------------------------------------------------ writes
 def test_a_failed_save_keeps_the_previous_checkpoint_and_leaves_no_temporary(tmp_path):
     path = tmp_path / "last.ckpt"

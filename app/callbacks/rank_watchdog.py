@@ -24,6 +24,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 from lightning.pytorch import Callback
@@ -69,18 +70,24 @@ class Heartbeat(threading.Thread):
         pids: dict[int, int] = {}
         seen = {r: (None, time.monotonic()) for r in peers}
         while not self._halt.wait(self.interval):
-            try:
-                self.store.add(self._key("beat", self.rank), 1)
-                beats = {r: self.store.add(self._key("beat", r), 0) for r in peers}
-                for r in peers:
-                    if r not in pids and self.store.check([self._key("pid", r)]):
-                        peer_host, pid = self.store.get(self._key("pid", r)).decode().rsplit(":", 1)
-                        pids[r] = int(pid) if peer_host == host else 0
-            except Exception as err:  # noqa: BLE001 (the store's host is gone, or the network)
+            # A store whose host process is stopped (SIGSTOP, a hung machine) accepts the connection but never
+            # answers, and torch's store calls can then block far beyond their timeout: make the calls from a
+            # helper thread and give up on them after ``timeout``.
+            outcome: dict = {}
+            call = threading.Thread(target=self._exchange, args=(peers, host, pids, outcome), daemon=True)
+            call.start()
+            call.join(self.timeout)
+            if call.is_alive() or "error" in outcome:
                 if self._halt.wait(2 * self.interval):  # finishing normally: the store closes as rank 0 exits
                     return
-                self._judge([0], f"the rendezvous store on rank 0 stopped answering ({type(err).__name__})")
+                why = (
+                    f"has not answered for {self.timeout:.0f} s (its process is stopped or hangs)"
+                    if call.is_alive()
+                    else f"stopped answering ({type(outcome['error']).__name__})"
+                )
+                self._judge([0], f"the rendezvous store on rank 0 {why}")
                 return
+            beats = outcome["beats"]
             now = time.monotonic()
             lost, reasons = [], []
             for r in peers:
@@ -100,6 +107,18 @@ class Heartbeat(threading.Thread):
             if lost:
                 self._judge(lost, "; ".join(reasons))
                 return
+
+    def _exchange(self, peers: list[int], host: str, pids: dict[int, int], outcome: dict) -> None:
+        """One heartbeat: bump this rank's counter, read the peers' (and their pids, once). Fills ``outcome``."""
+        try:
+            self.store.add(self._key("beat", self.rank), 1)
+            outcome["beats"] = {r: self.store.add(self._key("beat", r), 0) for r in peers}
+            for r in peers:
+                if r not in pids and self.store.check([self._key("pid", r)]):
+                    peer_host, pid = self.store.get(self._key("pid", r)).decode().rsplit(":", 1)
+                    pids[r] = int(pid) if peer_host == host else 0
+        except Exception as err:  # noqa: BLE001 (the store's host is gone, or the network)
+            outcome["error"] = err
 
     def _finished(self, rank: int) -> bool:
         try:
@@ -148,12 +167,14 @@ class RankWatchdog(Callback):
         self.interval = float(interval) if interval else min(1.0, self.timeout / 10)
         self._heartbeat: Heartbeat | None = None
         self._children: list = []
+        self._checkpointer = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         store = default_store() if trainer.world_size > 1 and dist.is_initialized() else None
         if store is None:
             return
         self._children = list(getattr(trainer.strategy.launcher, "procs", []) or [])
+        self._checkpointer = trainer.checkpoint_callback  # its dirpath is known only later
         self._heartbeat = Heartbeat(
             store, trainer.global_rank, trainer.world_size, self.timeout, self.interval, f"rank-watchdog/{stage}"
         )
@@ -162,9 +183,15 @@ class RankWatchdog(Callback):
 
     def _stop_process(self, ranks: list[int], reason: str) -> None:
         me = self._heartbeat.rank if self._heartbeat else "?"
+        folder = getattr(self._checkpointer, "dirpath", None)
+        last = Path(folder) / "last.ckpt" if folder else None
+        if last is not None and last.is_file():
+            advice = f"{last} is intact: restart with the same command plus --ckpt_path last"
+        else:
+            advice = "No checkpoint was written yet: restart with the same command"
         message = (
             f"error: [rank {me}] lost rank {', '.join(map(str, ranks))}: {reason}. Stopping this rank (exit "
-            f"{EXIT_CODE}). The last checkpoint is intact: restart with the same command plus --ckpt_path last\n"
+            f"{EXIT_CODE}). {advice}\n"
         )
         os.write(2, message.encode())
         for process in self._children:  # the local ranks this process started
