@@ -2,4 +2,8 @@
 
 __version__ = "0.1.0"
 
+import app.quiet  # noqa: E402
+
+app.quiet.install()
+
 import app.strategies  # noqa: E402, F401  (registers "dp" and "horovod" in Lightning's StrategyRegistry)

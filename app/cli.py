@@ -5,13 +5,14 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import re
 import sys
 from pathlib import Path
 
 import torch
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -23,6 +24,10 @@ from app.errors import UserError
 from app.model import ARCH_KEYS, DEFAULT_SGD, ImageClassifier, check_compatible, load_checkpoint
 from app.strategies.launch import mpi_world_size
 
+# Added to every fit/validate/test/predict, beside the run's own callbacks (a YAML ``trainer.callbacks:`` list or
+# ``--trainer.callbacks+=``), unless the run gives a callback of the same kind (its own ModelCheckpoint, progress
+# bar, ...), turns the feature off (``--trainer.logger=false``, ``--trainer.enable_checkpointing=false``,
+# ``enable_progress_bar``, ``enable_model_summary``), or names it in ``--drop_callbacks``.
 DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.ProgressBar"},
     {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
@@ -42,33 +47,112 @@ DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.Preemption"},
     {"class_path": "app.callbacks.StopOnNonFinite"},
 ]
+# A run's own callback that is an instance of the kind replaces the default.
+_KIND = {
+    "ProgressBar": "lightning.pytorch.callbacks.ProgressBar",
+    "RichModelSummary": "lightning.pytorch.callbacks.ModelSummary",
+    "LearningRateMonitor": "lightning.pytorch.callbacks.LearningRateMonitor",
+    "ModelCheckpoint": "lightning.pytorch.callbacks.ModelCheckpoint",
+    "PredictionWriter": "lightning.pytorch.callbacks.BasePredictionWriter",
+}
+DEFAULT_CALLBACK_NAMES = [c["class_path"].rsplit(".", 1)[-1] for c in DEFAULT_CALLBACKS]
+
+CKPT_PATH_HELP = (
+    "Checkpoint to start from: a file (lightning_logs/version_N/checkpoints/last.ckpt, or epoch=E-val_acc=A.ckpt "
+    "there), 'last' (the newest run's last.ckpt; fit starts fresh when there is none) or 'best' (the best checkpoint "
+    "of the newest run). Its network settings (--model.arch, norm, num_classes) are used."
+)
+TOOLS_EPILOG = (
+    "Besides Lightning's subcommands: 'cli.py plot lightning_logs/version_N' draws a run's curves to a PNG, and "
+    "'cli.py export --ckpt_path CKPT --out model.pt' writes the trained network for inference; each takes --help."
+)
 
 
-def default_loggers() -> list[dict]:
+def _import(class_path: str) -> type:
+    module, name = class_path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
+
+
+def default_callbacks(trainer_config: dict, own: list, drop: list[str]) -> list:
+    """The default callbacks (built) that a run with these trainer settings and own callbacks gets."""
+    for name in drop:
+        if name not in DEFAULT_CALLBACK_NAMES:
+            close = difflib.get_close_matches(name, DEFAULT_CALLBACK_NAMES, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            names = ", ".join(DEFAULT_CALLBACK_NAMES)
+            raise UserError(f"--drop_callbacks: {name!r} is not a default callback{hint}; they are {names}")
+    logger = trainer_config.get("logger")
+    switched_off = {
+        "ProgressBar": trainer_config.get("enable_progress_bar") is False,
+        "RichModelSummary": trainer_config.get("enable_model_summary") is False,
+        "LearningRateMonitor": logger is False or logger is None or logger == [],
+        "ModelCheckpoint": trainer_config.get("enable_checkpointing") is False,
+    }
+    built = []
+    for spec, name in zip(DEFAULT_CALLBACKS, DEFAULT_CALLBACK_NAMES, strict=True):
+        kind = _import(_KIND.get(name, spec["class_path"]))
+        if name in drop or switched_off.get(name) or any(isinstance(c, kind) for c in own):
+            continue
+        built.append(_import(spec["class_path"])(**spec.get("init_args", {})))
+    return built
+
+
+def default_loggers(save_dir: str = ".") -> list[dict]:
     """CSV always (metrics.csv); TensorBoard too when it is installed. Both write to lightning_logs/version_N."""
-    loggers = [
-        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": ".", "name": "lightning_logs"}}
-    ]
+    csv = {"save_dir": save_dir, "name": "lightning_logs"}
+    loggers = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": csv}]
     try:
         import tensorboard  # noqa: F401
     except ImportError:
         return loggers
-    tb = {"save_dir": ".", "name": "lightning_logs", "default_hp_metric": False}
+    tb = {"save_dir": save_dir, "name": "lightning_logs", "default_hp_metric": False}
     return loggers + [{"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": tb}]
 
 
+class Parser(LightningArgumentParser):
+    """Parse errors as one line (no 70-line usage), with the closest flag when one was mistyped."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        line = " ".join(message.split())
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        unknown = re.findall(r"(--[\w.\-]+)", line) if "nrecognized" in line else []
+        for flag in unknown:
+            close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.75)
+            if close:
+                line += f" (did you mean {close[0]}?)"
+                break
+        prog = parser.prog.replace(" [options]", "")
+        raise UserError(f"{line}; see: python {prog} --help")
+
+
 class CLI(LightningCLI):
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
+        super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        self.parser.epilog = TOOLS_EPILOG  # plot and export are ours, dispatched in main()
+        for parser in getattr(self, "_subcommand_parsers", {}).values():
+            for action in parser._actions:
+                if action.dest == "ckpt_path":
+                    action.help = CKPT_PATH_HELP
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults(
             {
                 "model.optimizer": {"class_path": "torch.optim.SGD", "init_args": dict(DEFAULT_SGD)},
                 "trainer.max_epochs": 10,
-                "trainer.callbacks": DEFAULT_CALLBACKS,
                 "trainer.logger": default_loggers(),
             }
         )
         # On in every run: --watchdog.timeout=SECONDS (see app/callbacks/rank_watchdog.py).
         parser.add_lightning_class_args(RankWatchdog, "watchdog")
+        parser.add_argument(
+            "--drop_callbacks",
+            type=list[str],
+            default=[],
+            help=f"Default callbacks to leave out, by class name: {', '.join(DEFAULT_CALLBACK_NAMES)}.",
+        )
         parser.add_argument(
             "--allow_remote_ckpt",
             type=bool,
@@ -76,34 +160,43 @@ class CLI(LightningCLI):
             help="Allow an http(s):// --ckpt_path (downloaded, then loaded with weights_only=True like any other).",
         )
 
+    def _subconfig(self, config):
+        return config[self.subcommand] if self.subcommand else config
+
     def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
+        config = self._subconfig(self.config)
         check_strategy_name(config.trainer.strategy)
         check_devices(config.trainer.devices)
-        # --trainer.enable_progress_bar=false / enable_model_summary=false also drop our default rich callbacks
-        # (Lightning refuses a progress bar or summary callback when they are disabled).
-        disabled = {
-            "RichProgressBar": config.trainer.enable_progress_bar,
-            "ProgressBar": config.trainer.enable_progress_bar,
-            "RichModelSummary": config.trainer.enable_model_summary,
-        }
-        callbacks = config.trainer.callbacks or []
-        config.trainer.callbacks = [
-            c for c in callbacks if disabled.get(str(getattr(c, "class_path", "")).rsplit(".", 1)[-1]) is not False
-        ]
+        # The default loggers write under --trainer.default_root_dir, as Lightning's own default logger does;
+        # a logger given with another save_dir keeps it.
+        root = config.trainer.default_root_dir
+        loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
+        defaults = {d["class_path"] for d in default_loggers()}
+        for logger in loggers:
+            init_args = getattr(logger, "init_args", None)
+            if root and getattr(logger, "class_path", None) in defaults and init_args.get("save_dir") == ".":
+                init_args.save_dir = str(root)
 
     def instantiate_trainer(self, **kwargs):
+        config = self._subconfig(self.config_init)
+        own = list(config.trainer.get("callbacks") or [])
+        kwargs["callbacks"] = default_callbacks(config.trainer, own, config.get("drop_callbacks") or []) + own
         try:
             trainer = super().instantiate_trainer(**kwargs)
-        except (MisconfigurationException, TypeError, ValueError) as err:  # Lightning's accelerator/devices checks
+        except (MisconfigurationException, TypeError, ValueError) as err:
             if isinstance(err, UserError):
                 raise
-            t = (self.config[self.subcommand] if self.subcommand else self.config).trainer
             reason = " ".join(str(err).split())
-            raise UserError(
-                f"--trainer.accelerator={t.accelerator} --trainer.devices={t.devices}: {reason} "
-                f"({torch.cuda.device_count()} CUDA device(s) visible here; on CPU, devices is the number of processes)"
-            ) from None
+            if re.search(r"\b(devices?|accelerator|gpus?|cuda|mps|tpu)\b", reason, re.IGNORECASE):
+                t = config.trainer
+                raise UserError(
+                    f"--trainer.accelerator={t.accelerator} --trainer.devices={t.devices}: {reason} "
+                    f"({torch.cuda.device_count()} CUDA device(s) visible here; on CPU, devices is the number of "
+                    "processes)"
+                ) from None
+            if isinstance(err, MisconfigurationException | ValueError):
+                raise UserError(reason) from None
+            raise
         # Loggers pick "the next free version_N" each on its own, and whichever asks second sees the folder the
         # first one made. Give every logger that shares the first one's folder the first one's version.
         first, *others = trainer.loggers or [None]
@@ -111,7 +204,6 @@ class CLI(LightningCLI):
             if getattr(logger, "root_dir", None) == getattr(first, "root_dir", None) and logger._version is None:
                 logger._version = first.version
         # Atomic checkpoint writes and weights_only loads, whatever the strategy.
-        config = self.config[self.subcommand] if self.subcommand else self.config
         trainer.strategy.checkpoint_io = SafeCheckpointIO(allow_remote=bool(config.get("allow_remote_ckpt")))
         return trainer
 
@@ -150,21 +242,41 @@ class CLI(LightningCLI):
         self.config = self.parser.parse_object({subcommand: {"model": saved}}, self.config)
 
     def _check_ckpt_path(self) -> None:
-        """Resolve ``--ckpt_path last`` ourselves, and refuse weights that do not fit, before any work starts."""
+        """Resolve ``--ckpt_path last`` and ``best`` ourselves, and refuse weights that do not fit, before any work.
+
+        The resolved path is what the run's config.yaml records, so ``cli.py plot`` can join a resumed run to
+        the run its checkpoint came from.
+        """
         config = self.config_init[self.subcommand]
         ckpt_path = config.get("ckpt_path")
-        if ckpt_path == "last":
+        if ckpt_path in ("last", "best"):
             found = find_last_checkpoint(self.trainer)
+            if found is not None and ckpt_path == "best":
+                found = best_checkpoint_of(found)
             if found is None:
+                if ckpt_path == "best" or self.subcommand != "fit":
+                    raise UserError(
+                        f"--ckpt_path {ckpt_path}: no {'best checkpoint' if ckpt_path == 'best' else 'last.ckpt'} "
+                        f"under {log_root(self.trainer)}/ yet; train first, or pass a checkpoint file"
+                    )
                 rank_zero_info(f"--ckpt_path last: no last.ckpt under {log_root(self.trainer)}/ yet; starting fresh")
             else:
-                rank_zero_info(f"--ckpt_path last: resuming from {found}")
-            ckpt_path = config["ckpt_path"] = None if found is None else str(found)
-        if ckpt_path is None or ckpt_path in ("best", "hpc"):
+                rank_zero_info(f"--ckpt_path {ckpt_path}: {found}")
+            ckpt_path = None if found is None else str(found)
+        if ckpt_path is None or ckpt_path == "hpc":
+            config["ckpt_path"] = self.config[self.subcommand]["ckpt_path"] = ckpt_path
             return
         allow_remote = bool(self.config[self.subcommand].get("allow_remote_ckpt"))
         checkpoint = load_checkpoint(ckpt_path, allow_remote=allow_remote)
         check_compatible(checkpoint, ckpt_path, self.model)
+        if "://" not in str(ckpt_path):
+            ckpt_path = str(Path(ckpt_path).resolve())
+        config["ckpt_path"] = self.config[self.subcommand]["ckpt_path"] = ckpt_path
+        if self.subcommand == "fit":
+            rank_zero_info(
+                f"Resuming from {ckpt_path} (step {checkpoint.get('global_step', '?')}); this run logs to a new "
+                "version folder, and cli.py plot on it draws the whole curve, earlier runs included"
+            )
 
 
 def log_root(trainer) -> Path:
@@ -178,10 +290,23 @@ def log_root(trainer) -> Path:
 def find_last_checkpoint(trainer) -> Path | None:
     """The newest ``last.ckpt`` of any earlier run (each run logs to its own ``version_N``), or None."""
     candidates = list(log_root(trainer).glob("version_*/checkpoints/last.ckpt"))
+    candidates += list((Path(trainer.default_root_dir) / "checkpoints").glob("last.ckpt"))  # runs without a logger
     for callback in trainer.checkpoint_callbacks:
         if getattr(callback, "dirpath", None):  # a ModelCheckpoint with an explicit folder
             candidates += list(Path(callback.dirpath).glob("last.ckpt"))
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def best_checkpoint_of(last: Path) -> Path | None:
+    """The best checkpoint that the run which wrote ``last`` kept (its ModelCheckpoint's state says which)."""
+    states = load_checkpoint(str(last)).get("callbacks", {})
+    for key, state in states.items():
+        best = state.get("best_model_path") if key.startswith("ModelCheckpoint") else None
+        if best and Path(best).is_file():
+            return Path(best)
+        if best and (last.parent / Path(best).name).is_file():  # the run folder was moved
+            return last.parent / Path(best).name
+    return None
 
 
 def check_strategy_name(strategy) -> None:
@@ -241,7 +366,9 @@ def main(args: list[str] | None = None) -> CLI | None:
             ImageClassifier,
             FashionMNISTDataModule,
             seed_everything_default=42,
+            parser_class=Parser,
             parser_kwargs={"allow_abbrev": False},  # --trainer.max_epoch is a typo, not --trainer.max_epochs
+            auto_configure_optimizers=False,  # one way to set the optimizer: --model.optimizer
             args=args,
         )
     except UserError as err:

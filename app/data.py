@@ -15,6 +15,7 @@ normalisation and augmentation happen on the training device in :meth:`on_after_
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 from typing import Literal
@@ -194,10 +195,11 @@ class FashionMNISTDataModule(LightningDataModule):
             self._download()
         except Exception as err:  # torchvision raises RuntimeError/URLError/OSError; each means "no files"
             if source == "fashion_mnist":
+                reason = re.sub(r"\s*Tried \S+ got:\s*", " ", " ".join(str(err).split()))  # torchvision: 3 lines
                 raise DataFileError(
                     f"--data.source=fashion_mnist: the Fashion-MNIST files are not in {self.real_dir} and the "
-                    f"download failed ({type(err).__name__}: {err}). Put the four files there (as .gz or "
-                    "extracted), or use --data.source=synthetic to run on the offline stand-in."
+                    f"download failed ({reason}); put the four files there (as .gz or extracted), or use "
+                    "--data.source=synthetic to run on the offline stand-in"
                 ) from None
             rank_zero_warn(
                 "\n" + "!" * 100 + f"\n  Fashion-MNIST is not in {self.real_dir} and could not be downloaded "

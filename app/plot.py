@@ -1,6 +1,6 @@
 """``python cli.py plot lightning_logs/version_N``: loss, accuracy and images/s per epoch, as a PNG next to the run.
 
-Reads the run's ``metrics.csv`` (written by the CSV logger) and writes ``plot.png`` in the same folder (``--out`` to
+Reads the run's ``metrics.csv`` (written by the CSV logger), joined to those of the runs it resumed from, and writes ``plot.png`` in the same folder (``--out`` to
 choose another path): the epoch losses over the per-step loss, the accuracies, and training images/s from 0. The
 title says which data the run trained on, in red when it was the synthetic stand-in. Needs matplotlib:
 ``pip install -e ".[plot]"``.
@@ -40,13 +40,54 @@ def _number(metrics_csv: Path, row: dict[str, str], name: str) -> float:
         raise UserError(f"{metrics_csv}: {name}={row[name]!r} is not a number; not a metrics.csv of a run") from None
 
 
-def epoch_metrics(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
-    """``{metric: [(epoch, value), ...]}`` for every per-epoch metric of a ``metrics.csv``, sorted by epoch.
+def run_chain(run_dir: Path) -> list[Path]:
+    """The run folders whose checkpoints this run resumed from, oldest first, ending with ``run_dir``.
 
-    A run resumed into the same folder may log an epoch twice (the interrupted one, then again): the last wins.
+    A resumed run logs to a folder of its own; its ``config.yaml`` records the checkpoint it started from, and a
+    checkpoint in ``version_N/checkpoints/`` belongs to the run in ``version_N``.
+    """
+    import yaml
+
+    chain = [run_dir]
+    while True:
+        try:
+            config = yaml.safe_load((chain[0] / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            break
+        ckpt = config.get("ckpt_path") if isinstance(config, dict) else None
+        if not isinstance(ckpt, str) or "://" in ckpt:
+            break
+        earlier = Path(ckpt).parent.parent
+        if Path(ckpt).parent.name != "checkpoints" or not (earlier / "metrics.csv").is_file() or earlier in chain:
+            break
+        chain.insert(0, earlier)
+    return chain
+
+
+def run_rows(run_dir: Path) -> list[tuple[Path, dict[str, str]]]:
+    """``(metrics.csv, row)`` of the run and of the runs it resumed from: each earlier run up to the step where the
+    next one took over (rows of steps that the next run did again are left out)."""
+    rows: list[tuple[Path, dict[str, str]]] = []
+    for folder in run_chain(run_dir):
+        metrics_csv = folder / "metrics.csv"
+        if not metrics_csv.is_file():
+            continue
+        own = [(metrics_csv, row) for row in _read_rows(metrics_csv)]
+        steps = [_number(path, row, "step") for path, row in own if row.get("step")]
+        if steps:
+            start = min(steps)
+            rows = [(path, row) for path, row in rows if not row.get("step") or _number(path, row, "step") < start]
+        rows += own
+    return rows
+
+
+def epoch_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """``{metric: [(epoch, value), ...]}`` for every per-epoch metric of a run (and the runs it resumed from).
+
+    An epoch logged twice (the interrupted one, then again after the resume) keeps the last value.
     """
     series: dict[str, dict[int, float]] = defaultdict(dict)
-    for row in _read_rows(metrics_csv):
+    for metrics_csv, row in run_rows(run_dir):
         if not row.get("epoch"):
             continue
         epoch = int(_number(metrics_csv, row, "epoch"))
@@ -57,10 +98,10 @@ def epoch_metrics(metrics_csv: Path) -> dict[str, list[tuple[int, float]]]:
     return {name: sorted(values.items()) for name, values in series.items()}
 
 
-def step_losses(metrics_csv: Path) -> list[tuple[float, float]]:
+def step_losses(run_dir: Path) -> list[tuple[float, float]]:
     """``[(x, loss), ...]`` of the per-step training loss, x in epochs trained: epoch e's steps over (e, e + 1]."""
     per_epoch: dict[int, dict[int, float]] = defaultdict(dict)
-    for row in _read_rows(metrics_csv):
+    for metrics_csv, row in run_rows(run_dir):
         if row.get(STEP_LOSS) and row.get("epoch") and row.get("step"):
             epoch, step = int(_number(metrics_csv, row, "epoch")), int(_number(metrics_csv, row, "step"))
             per_epoch[epoch][step] = _number(metrics_csv, row, STEP_LOSS)
@@ -99,12 +140,12 @@ def figure(run_dir: str | Path):
         from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise UserError('plot needs matplotlib: pip install -e ".[plot]"') from None
-    series = epoch_metrics(metrics_csv)
+    series = epoch_metrics(run_dir)
     if not series:
         raise UserError(f"{metrics_csv}: no per-epoch metrics yet (has an epoch finished?)")
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.8), constrained_layout=True)
     for ax, (title, names) in zip(axes, PANELS, strict=True):
-        if title == "loss" and (steps := step_losses(metrics_csv)):
+        if title == "loss" and (steps := step_losses(run_dir)):
             ax.plot(*zip(*steps, strict=True), color="0.6", linewidth=0.8, alpha=0.6, label=f"{STEP_LOSS} (per step)")
         for name in names:
             if series.get(name):

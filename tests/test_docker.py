@@ -96,4 +96,4 @@ def test_launch_presets_compose_with_the_full_recipe(workdir, capsys):
         trainer = config["trainer"]
         assert (trainer["strategy"], trainer["num_nodes"], trainer["devices"]) == (strategy, nodes, 4)
         callbacks = [c["class_path"] for c in trainer["callbacks"]]
-        assert "app.callbacks.LRWarmup" in callbacks and "app.callbacks.ModelCheckpoint" in callbacks
+        assert callbacks == ["app.callbacks.LRWarmup"]  # the defaults are added when the trainer is built

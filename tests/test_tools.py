@@ -42,7 +42,7 @@ def normalized(images: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------ plot
 def test_plot_draws_loss_accuracy_and_speed_of_a_real_run(run_dir, tmp_path):
-    series = epoch_metrics(run_dir / "metrics.csv")
+    series = epoch_metrics(run_dir)
     for name in ("train/loss_epoch", "val/loss", "train/acc", "val/acc", "perf/images_per_s"):
         assert [epoch for epoch, _ in series[name]] == [0, 1], name
     assert all(v > 0 for _, v in series["perf/images_per_s"])
@@ -68,7 +68,7 @@ def test_plot_reads_as_a_person_expects(run_dir):
     per_step = [line for line in loss_ax.lines if "per step" in line.get_label()]
     steps = [row for row in read_rows(run_dir / "metrics.csv") if row.get("train/loss")]
     assert len(per_step) == 1 and len(per_step[0].get_xdata()) == len(steps) == len(
-        step_losses(run_dir / "metrics.csv")
+        step_losses(run_dir)
     )
     assert max(per_step[0].get_xdata()) == 2  # two epochs trained
     assert speed_ax.get_ylim()[0] == 0

@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
+
+from app.callbacks.progress import console_print
 
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
 
@@ -120,9 +122,10 @@ class Preemption(Callback):
         trainer._logger_connector.update_train_step_metrics()
         path = self._save(trainer)
         name = signal.Signals(signum).name
-        rank_zero_info(
+        console_print(
+            trainer,
             f"{name}: stopped after step {trainer.global_step} (epoch {trainer.current_epoch}); saved {path}. "
-            f"Continue with the same command plus --ckpt_path last. Exit code {128 + signum}."
+            f"Continue with the same command plus --ckpt_path last. Exit code {128 + signum}.",
         )
         raise Preempted(signum)
 

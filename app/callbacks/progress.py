@@ -20,6 +20,27 @@ from typing import Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.utilities import rank_zero_info
+
+
+def console_print(trainer: Trainer, message: Any) -> None:
+    """Print a line or a rich renderable on global rank 0 so that it stays on the screen.
+
+    While a rich progress bar is live it redraws by moving the cursor up, and erases or overdraws whatever was
+    written to the terminal outside its console: the lines go through that console, which prints them above the bar.
+    """
+    if not trainer.is_global_zero:
+        return
+    bar = trainer.progress_bar_callback
+    progress = getattr(bar, "progress", None) if isinstance(bar, RichProgressBar) else None
+    if progress is not None and progress.live.is_started:
+        progress.console.print(message, markup=False, highlight=False, soft_wrap=isinstance(message, str))
+    elif isinstance(message, str):
+        rank_zero_info(message)
+    else:
+        from rich.console import Console
+
+        Console().print(message)
 
 
 class ProgressBar(RichProgressBar):
@@ -41,6 +62,7 @@ class ProgressBar(RichProgressBar):
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)  # the version folder: printed once at the start, not worth a place on the bar
         logged = trainer.callback_metrics
         for name in self.show:
             if name in logged and name not in items:
@@ -55,23 +77,25 @@ class ProgressBar(RichProgressBar):
         return False
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        if self._due(batch_idx, self.total_train_batches):
+        if not self.is_disabled and self._due(batch_idx, self.total_train_batches):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
     def on_validation_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
+        if self.is_disabled:  # ranks other than 0 draw nothing (and have no loop indices to read)
+            return
         if trainer.sanity_checking or self._due(batch_idx, self.total_val_batches_current_dataloader):
             super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
     def on_test_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self._due(batch_idx, self.total_test_batches_current_dataloader):
+        if not self.is_disabled and self._due(batch_idx, self.total_test_batches_current_dataloader):
             super().on_test_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
     def on_predict_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
-        if self._due(batch_idx, self.total_predict_batches_current_dataloader):
+        if not self.is_disabled and self._due(batch_idx, self.total_predict_batches_current_dataloader):
             super().on_predict_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)

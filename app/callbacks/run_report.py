@@ -16,8 +16,10 @@ import resource
 import time
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+
+from app.callbacks.progress import console_print
 
 _FIELDS = ("images", "seconds", "steps", "peak_bytes")
 
@@ -87,15 +89,17 @@ class RunReport(Callback):
             f"{trainer.num_devices * trainer.num_nodes} x {trainer.strategy.root_device.type} "
             f"({strategy_name(trainer)})",
         ]
-        rank_zero_info(" | ".join(parts))
-        pl_module.log("perf/images_per_s", images / max(self._train_seconds, 1e-9), on_epoch=True, batch_size=1)
-        pl_module.log("perf/epoch_seconds", seconds, on_epoch=True, batch_size=1)
+        console_print(trainer, " | ".join(parts))
+        pl_module.log(
+            "perf/images_per_s", images / max(self._train_seconds, 1e-9), on_epoch=True, batch_size=1, sync_dist=True
+        )
+        pl_module.log("perf/epoch_seconds", seconds, on_epoch=True, batch_size=1, sync_dist=True)
 
     # ---------------------------------------------------------------- the table per device
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         rows = self.device_rows(trainer, pl_module)
         if trainer.is_global_zero and rows:
-            print_table(rows, f"Run report: {strategy_name(trainer)}, {len(rows)} device(s)")
+            console_print(trainer, device_table(rows, f"Run report: {strategy_name(trainer)}, {len(rows)} device(s)"))
 
     def device_rows(self, trainer: Trainer, pl_module: LightningModule) -> list[dict]:
         """One dict per device (all ranks' numbers, gathered; call on every rank)."""
@@ -103,13 +107,19 @@ class RunReport(Callback):
         peaks = [_peak_bytes(d) for d in devices]
         local = torch.tensor(
             [
-                [self._run["images"] / len(devices), self._run["seconds"], self._run["steps"], peak, _index(d)]
-                for d, peak in zip(devices, peaks, strict=True)
+                [
+                    self._run["images"] / len(devices),
+                    self._run["seconds"],
+                    self._run["steps"],
+                    peak,
+                    _index(d, i, devices),
+                ]
+                for i, (d, peak) in enumerate(zip(devices, peaks, strict=True))
             ],
             dtype=torch.float64,
             device=pl_module.device,
         )
-        gathered = trainer.strategy.all_gather(local).reshape(-1, len(devices), len(_FIELDS) + 1)
+        gathered = _gather(local).reshape(-1, len(devices), len(_FIELDS) + 1)
         rows = []
         for rank, per_rank in enumerate(gathered.tolist()):
             for images, seconds, steps, peak, index in per_rank:
@@ -126,8 +136,7 @@ class RunReport(Callback):
         return rows
 
 
-def print_table(rows: list[dict], title: str) -> None:
-    from rich.console import Console
+def device_table(rows: list[dict], title: str):
     from rich.table import Table
 
     table = Table(title=title)
@@ -142,7 +151,17 @@ def print_table(rows: list[dict], title: str) -> None:
             f"{r['images_per_s']:,.0f}",
             f"{r['peak_mib']:,.0f}",
         )
-    Console().print(table)
+    return table
+
+
+def _gather(local: torch.Tensor) -> torch.Tensor:
+    """All processes' rows, rank by rank (torch.distributed's own all_gather: Lightning's strategies go through a
+    deprecated autograd variant that warns)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return local
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return torch.cat(gathered)
 
 
 def _devices(trainer: Trainer) -> list[torch.device]:
@@ -153,8 +172,11 @@ def _devices(trainer: Trainer) -> list[torch.device]:
     return [strategy.root_device]
 
 
-def _index(device: torch.device) -> int:
-    return -1 if device.index is None else device.index
+def _index(device: torch.device, position: int, devices: list[torch.device]) -> int:
+    """The device's index; a process's CPU devices (dp on CPU emulates several) are told apart by position."""
+    if device.index is not None:
+        return device.index
+    return position if len(devices) > 1 else -1
 
 
 def _peak_bytes(device: torch.device) -> float:

@@ -1,15 +1,42 @@
 """Entry point of each rank started by :class:`app.strategies.launch.MPIRunLauncher` (not for direct use)."""
 
+import multiprocessing.spawn
+import os
 import pickle
+import shutil
 import sys
+from pathlib import Path
 
 import app  # noqa: F401  (registers the strategies before anything is unpickled)
+from app.strategies.launch import launcher_ranks
 
 
 def main(job_path: str, result_path: str) -> None:
-    with open(job_path, "rb") as f:
-        launcher, trainer, function, args, kwargs = pickle.load(f)  # written by our own launcher, mode 0700
-    launcher.run_in_rank(trainer, function, args, kwargs, result_path)
+    workdir = Path(job_path).parent
+    rank = (launcher_ranks() or (1, 0, 0, 1))[1]
+    (workdir / f"rank-{rank}.pid").write_text(str(os.getpid()))  # where the launcher sends SIGTERM/SIGINT
+    try:
+        with open(job_path, "rb") as f:  # written by our own launcher, mode 0700
+            # The caller's main script or module, imported as __mp_main__ (as multiprocessing's spawn does), so that
+            # classes defined in it unpickle.
+            multiprocessing.spawn.prepare(pickle.load(f))
+            launcher, trainer, function, args, kwargs = pickle.load(f)
+        launcher.run_in_rank(trainer, function, args, kwargs, result_path)
+    finally:
+        if rank == 0 and not _alive(int(os.environ.get("APP_LAUNCHER_PID", "0"))):
+            shutil.rmtree(workdir, ignore_errors=True)  # the launcher is gone: nobody else will clean up
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 if __name__ == "__main__":

@@ -279,9 +279,17 @@ class HorovodStrategy(ParallelStrategy):
         return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
 
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
-        from lightning.fabric.utilities.distributed import _all_gather_ddp_if_available
+        """Every rank's ``tensor``, stacked along a new first dimension (as Lightning's strategies return it)."""
+        if not _distributed_is_initialized():
+            return tensor.unsqueeze(0)
+        tensor = tensor.contiguous()
+        if sync_grads:  # gradients flow back to every rank's input
+            from torch.distributed.nn.functional import all_gather as all_gather_with_grad
 
-        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+            return torch.stack(all_gather_with_grad(tensor, group or dist.group.WORLD))
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, tensor, group=group)
+        return torch.stack(gathered)
 
     def teardown(self) -> None:
         if self._grad_sync is not None:

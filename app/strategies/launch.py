@@ -9,14 +9,17 @@ Lightning's ``ddp`` starts its children, and collects rank 0's results, the way 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -173,9 +176,15 @@ class MPIRunLauncher(_MultiProcessingLauncher):
     """Runs the trainer's function in ``mpirun -np N`` ranks and brings rank 0's results back, like ddp_spawn.
 
     The function, its arguments and the trainer are pickled to a private temporary folder (as ``mp.spawn`` pickles
-    them into its pipes); each rank unpickles and runs them in :mod:`app.strategies._mpi_worker`. Rank 0 writes the
-    trained weights, the trainer state and the callback metrics back, and they are loaded into the caller's
-    objects: after ``Trainer(strategy="horovod", devices=2).fit(model)``, ``model`` holds the trained weights.
+    them into its pipes); each rank unpickles and runs them in :mod:`app.strategies._mpi_worker`. Before that, each
+    rank imports the caller's main script or module as ``__mp_main__``, as multiprocessing's spawn does, so a model,
+    data module or callback defined in the user's own script unpickles. Rank 0 writes the trained weights, the
+    trainer state and the callback metrics back, and they are loaded into the caller's objects: after
+    ``Trainer(strategy="horovod", devices=2).fit(model)``, ``model`` holds the trained weights.
+
+    SIGTERM and SIGINT sent to this process are passed to every rank, which stop after the same step and write
+    ``last.ckpt`` (the Preemption callback); this process then exits with ``128 + signal`` like the ranks. If this
+    process dies, mpirun gets SIGTERM from the kernel and ends the ranks; the temporary folder is removed either way.
     """
 
     def __init__(self, strategy) -> None:
@@ -191,19 +200,30 @@ class MPIRunLauncher(_MultiProcessingLauncher):
         job, result = workdir / "job.pkl", workdir / "result.pkl"
         try:
             with open(job, "wb") as f:
+                pickle.dump(main_module_preparation(), f)  # unpickled first, so the job's classes can be found
                 pickle.dump((self, trainer, function, args, kwargs), f)
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+            env = dict(
+                os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), APP_LAUNCHER_PID=str(os.getpid())
+            )
+            if not sys.stdout.isatty():  # mpirun gives the ranks a terminal of its own; a log file wants plain text
+                env.update(TTY_COMPATIBLE="0", TTY_INTERACTIVE="0")
             cmd = mpirun_command(num_processes) + [
-                sys.executable,
-                "-m",
-                "app.strategies._mpi_worker",
-                str(job),
-                str(result),
+                "-x",
+                "TTY_COMPATIBLE",
+                "-x",
+                "TTY_INTERACTIVE",
+                "-x",
+                "APP_LAUNCHER_PID",
             ]
-            completed = subprocess.run(cmd, env=env)
-            if completed.returncode != 0:
+            cmd += [sys.executable, "-m", "app.strategies._mpi_worker", str(job), str(result)]
+            returncode, signum = _run_forwarding_signals(cmd, env, workdir)
+            if signum:
+                from app.callbacks.preemption import Preempted
+
+                raise Preempted(signum)
+            if returncode != 0:
                 raise RuntimeError(
-                    f"the horovod ranks failed (mpirun exited with {completed.returncode}); see their output above"
+                    f"the horovod ranks failed (mpirun exited with {returncode}); see their output above"
                 )
             with open(result, "rb") as f:
                 worker_output = pickle.load(f)
@@ -225,3 +245,46 @@ class MPIRunLauncher(_MultiProcessingLauncher):
             with open(tmp, "wb") as f:
                 pickle.dump(results, f)
             os.replace(tmp, result_path)
+
+
+def main_module_preparation() -> dict:
+    """What a rank needs to import the caller's ``__main__`` as ``__mp_main__``: multiprocessing's own recipe."""
+    import multiprocessing.spawn
+
+    data = multiprocessing.spawn.get_preparation_data("horovod-rank")
+    return {k: data[k] for k in ("sys_path", "dir", "init_main_from_path", "init_main_from_name") if k in data}
+
+
+def _die_with_parent() -> None:
+    """In mpirun, before exec: the kernel sends it SIGTERM when the launching process dies (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _run_forwarding_signals(cmd: list[str], env: dict, workdir: Path) -> tuple[int, int]:
+    """Run mpirun; pass SIGTERM/SIGINT to the ranks (pids they wrote to ``workdir``). Returns (exit code, signal)."""
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+        for pid_file in workdir.glob("rank-*.pid"):
+            with contextlib.suppress(OSError, ValueError):  # a rank that has just exited
+                os.kill(int(pid_file.read_text()), signum)
+
+    process = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+    handled = (signal.SIGTERM, signal.SIGINT)
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, forward) for s in handled}
+    try:
+        returncode = process.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if process.poll() is None:
+            process.kill()
+    return returncode, (received[0] if received else 0)

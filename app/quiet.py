@@ -1,0 +1,42 @@
+"""Library messages that say nothing to a user of this template, silenced one by one.
+
+Each filter matches one message from one module, and says why it is silenced; every other warning, the user's
+own included, still shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, startswith: str) -> None:
+        super().__init__()
+        self.startswith = startswith
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.startswith)
+
+
+def install() -> None:
+    # Lightning 2.6's own pytree helper calls a torch API that torch deprecated; nothing a user can change.
+    warnings.filterwarnings(
+        "ignore", message=r".*isinstance\(treespec, LeafSpec\)", module=r"lightning\.pytorch\.utilities\._pytree"
+    )
+    # Short runs (tests, smoke runs) have fewer batches than log_every_n_steps; the template logs every epoch's
+    # metrics whatever the interval, so nothing is missing from metrics.csv.
+    warnings.filterwarnings(
+        "ignore", message=r"The number of training batches .* is smaller than the logging interval",
+        module=r"lightning\.pytorch\.loops\.fit_loop",
+    )  # fmt: skip
+    # A resumed run logs to a new version folder by design, so the checkpoint folder always "changes"; the resumed
+    # run keeps its own best checkpoints from then on.
+    warnings.filterwarnings(
+        "ignore", message=r"The dirpath has changed from", module=r"lightning\.pytorch\.callbacks\.model_checkpoint"
+    )
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    # An advertisement for a cloud service, printed by every Trainer.
+    rank_zero.addFilter(_DropMessage("💡 Tip: For seamless cloud"))
+    # The template's default RichModelSummary is there on purpose; Lightning notes that it adds no second one.
+    rank_zero.addFilter(_DropMessage("Trainer already configured with model summary callbacks"))
