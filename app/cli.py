@@ -248,20 +248,19 @@ class CLI(LightningCLI):
         the run its checkpoint came from.
         """
         config = self.config_init[self.subcommand]
-        ckpt_path = config.get("ckpt_path")
-        if ckpt_path in ("last", "best"):
+        ckpt_path = given = config.get("ckpt_path")
+        if given in ("last", "best"):
             found = find_last_checkpoint(self.trainer)
-            if found is not None and ckpt_path == "best":
+            if found is not None and given == "best":
                 found = best_checkpoint_of(found)
             if found is None:
-                if ckpt_path == "best" or self.subcommand != "fit":
+                if given == "best" or self.subcommand != "fit":
+                    what = "best checkpoint" if given == "best" else "last.ckpt"
                     raise UserError(
-                        f"--ckpt_path {ckpt_path}: no {'best checkpoint' if ckpt_path == 'best' else 'last.ckpt'} "
-                        f"under {log_root(self.trainer)}/ yet; train first, or pass a checkpoint file"
+                        f"--ckpt_path {given}: no {what} under {log_root(self.trainer)}/ yet; train first, or pass "
+                        "a checkpoint file"
                     )
                 rank_zero_info(f"--ckpt_path last: no last.ckpt under {log_root(self.trainer)}/ yet; starting fresh")
-            else:
-                rank_zero_info(f"--ckpt_path {ckpt_path}: {found}")
             ckpt_path = None if found is None else str(found)
         if ckpt_path is None or ckpt_path == "hpc":
             config["ckpt_path"] = self.config[self.subcommand]["ckpt_path"] = ckpt_path
@@ -269,14 +268,17 @@ class CLI(LightningCLI):
         allow_remote = bool(self.config[self.subcommand].get("allow_remote_ckpt"))
         checkpoint = load_checkpoint(ckpt_path, allow_remote=allow_remote)
         check_compatible(checkpoint, ckpt_path, self.model)
+        prefix = f"--ckpt_path {given}: " if given != ckpt_path else ""
+        if self.subcommand == "fit":
+            rank_zero_info(
+                f"{prefix}resuming from {ckpt_path} (step {checkpoint.get('global_step', '?')}); this run logs to a "
+                "new version folder, and cli.py plot of it draws the earlier run's curve too"
+            )
+        elif prefix:
+            rank_zero_info(f"{prefix}{ckpt_path}")
         if "://" not in str(ckpt_path):
             ckpt_path = str(Path(ckpt_path).resolve())
         config["ckpt_path"] = self.config[self.subcommand]["ckpt_path"] = ckpt_path
-        if self.subcommand == "fit":
-            rank_zero_info(
-                f"Resuming from {ckpt_path} (step {checkpoint.get('global_step', '?')}); this run logs to a new "
-                "version folder, and cli.py plot on it draws the whole curve, earlier runs included"
-            )
 
 
 def log_root(trainer) -> Path:

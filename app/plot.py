@@ -1,9 +1,9 @@
 """``python cli.py plot lightning_logs/version_N``: loss, accuracy and images/s per epoch, as a PNG next to the run.
 
-Reads the run's ``metrics.csv`` (written by the CSV logger), joined to those of the runs it resumed from, and writes ``plot.png`` in the same folder (``--out`` to
-choose another path): the epoch losses over the per-step loss, the accuracies, and training images/s from 0. The
-title says which data the run trained on, in red when it was the synthetic stand-in. Needs matplotlib:
-``pip install -e ".[plot]"``.
+Reads the run's ``metrics.csv`` (written by the CSV logger), joined to those of the runs it resumed from, and
+writes ``plot.png`` in the same folder (``--out`` to choose another path): the epoch losses over the per-step loss,
+the accuracies, and training images/s from 0. The title says which data the run trained on, in red when it was the
+synthetic stand-in. Needs matplotlib: ``pip install -e ".[plot]"``.
 """
 
 from __future__ import annotations

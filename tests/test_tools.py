@@ -67,9 +67,7 @@ def test_plot_reads_as_a_person_expects(run_dir):
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
     per_step = [line for line in loss_ax.lines if "per step" in line.get_label()]
     steps = [row for row in read_rows(run_dir / "metrics.csv") if row.get("train/loss")]
-    assert len(per_step) == 1 and len(per_step[0].get_xdata()) == len(steps) == len(
-        step_losses(run_dir)
-    )
+    assert len(per_step) == 1 and len(per_step[0].get_xdata()) == len(steps) == len(step_losses(run_dir))
     assert max(per_step[0].get_xdata()) == 2  # two epochs trained
     assert speed_ax.get_ylim()[0] == 0
     assert "SYNTHETIC stand-in" in fig._suptitle.get_text()

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 
 from app.callbacks.progress import console_print
 
@@ -71,7 +71,7 @@ class Preemption(Callback):
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # all ranks call setup together; CPU, so no GPU sync
         if trainer.checkpoint_callback is None:
-            rank_zero_warn("Preemption: no ModelCheckpoint callback, so a SIGTERM/SIGINT stops without a checkpoint")
+            rank_zero_info("Preemption: checkpointing is off, so a SIGTERM/SIGINT stops training without a checkpoint")
 
     def on_train_start(self, trainer, pl_module) -> None:
         # After Lightning registered its own SIGTERM handler (in Trainer._run); Lightning restores the originals.

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import app  # noqa: F401  (registers the strategies before anything is unpickled)
-from app.strategies.launch import launcher_ranks
+from app.strategies.launch import launcher_ranks, process_alive
 
 
 def main(job_path: str, result_path: str) -> None:
@@ -23,20 +23,8 @@ def main(job_path: str, result_path: str) -> None:
             launcher, trainer, function, args, kwargs = pickle.load(f)
         launcher.run_in_rank(trainer, function, args, kwargs, result_path)
     finally:
-        if rank == 0 and not _alive(int(os.environ.get("APP_LAUNCHER_PID", "0"))):
+        if rank == 0 and not process_alive(int(os.environ.get("APP_LAUNCHER_PID", "0"))):
             shutil.rmtree(workdir, ignore_errors=True)  # the launcher is gone: nobody else will clean up
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 if __name__ == "__main__":

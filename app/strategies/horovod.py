@@ -142,6 +142,11 @@ class HorovodStrategy(ParallelStrategy):
         return devices[self.local_rank] if devices[0].type != "cpu" else devices[0]
 
     @property
+    def is_distributed(self) -> bool:
+        """Read by Lightning: a user's own training DataLoader gets a DistributedSampler (each rank its shard)."""
+        return self.world_size > 1
+
+    @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 

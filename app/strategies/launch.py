@@ -196,9 +196,11 @@ class MPIRunLauncher(_MultiProcessingLauncher):
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         num_processes = self._strategy.num_processes
-        workdir = Path(tempfile.mkdtemp(prefix="horovod-launch-"))  # mode 0700: only we can read it
+        remove_stale_launch_folders()
+        workdir = Path(tempfile.mkdtemp(prefix=LAUNCH_PREFIX))  # mode 0700: only we can read it
         job, result = workdir / "job.pkl", workdir / "result.pkl"
         try:
+            (workdir / "launcher.pid").write_text(str(os.getpid()))
             with open(job, "wb") as f:
                 pickle.dump(main_module_preparation(), f)  # unpickled first, so the job's classes can be found
                 pickle.dump((self, trainer, function, args, kwargs), f)
@@ -245,6 +247,33 @@ class MPIRunLauncher(_MultiProcessingLauncher):
             with open(tmp, "wb") as f:
                 pickle.dump(results, f)
             os.replace(tmp, result_path)
+
+
+LAUNCH_PREFIX = "horovod-launch-"
+
+
+def remove_stale_launch_folders() -> None:
+    """Remove the launch folders of launchers that died without cleaning up (killed with SIGKILL, say, while mpirun
+    killed the ranks before rank 0 could remove the folder)."""
+    for folder in Path(tempfile.gettempdir()).glob(f"{LAUNCH_PREFIX}*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            pid = int((folder / "launcher.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if not process_alive(pid):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def main_module_preparation() -> dict:

@@ -1,0 +1,390 @@
+"""The template as people run it: cli.py started from another folder than the run's root, classes defined in the
+user's own script, Lightning's standard switches beside ours, a terminal read off the screen, stderr read for noise.
+"""
+
+import fcntl
+import json
+import os
+import pty
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from lightning.pytorch import Callback
+
+from app.cli import main
+from app.plot import epoch_metrics
+from app.strategies.launch import remove_stale_launch_folders
+from tests.conftest import CPU_TEST_CONFIG, ROOT
+
+pytestmark = pytest.mark.slow
+
+MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+NOISE = ("warning", "deprecated", "tip:", "traceback", "recommended")
+
+
+def cli_command(data_dir, *args: str) -> list[str]:
+    return [
+        *(sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG)),
+        *(f"--data.data_dir={data_dir}", "--trainer.max_epochs=1", "--trainer.limit_train_batches=4"),
+        *args,
+    ]
+
+
+def run(cmd: list[str], cwd: Path, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    # PYTHONPATH: a YAML config may name tests.test_as_users_run_it.Marker (a user's own module on the path).
+    environ = {**os.environ, **MPI_ENV, "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout)
+
+
+def noise(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if any(word in line.lower() for word in NOISE)]
+
+
+class Marker(Callback):
+    """A user's own callback, named in a YAML config: leaves a file behind when training ends."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            Path(self.path).write_text(str(trainer.global_step))
+
+
+# ------------------------------------------------------------------------------------------------ where runs land
+def test_runs_land_under_default_root_dir_and_resume_from_there(tmp_path, data_dir):
+    """Logs and checkpoints under --trainer.default_root_dir, not the working directory; two roots, two version_0;
+    --ckpt_path last finds the root's run, continues in a new folder, and plot joins the two; ddp's stderr is clean."""
+    elsewhere, root, other = tmp_path / "elsewhere", tmp_path / "root", tmp_path / "other"
+    elsewhere.mkdir()
+    first = run(
+        cli_command(data_dir, f"--trainer.default_root_dir={root}", "--trainer.strategy=ddp", "--trainer.devices=2"),
+        cwd=elsewhere,
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert noise(first.stderr) == [], noise(first.stderr)
+    assert (root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+    assert (root / "lightning_logs" / "version_0" / "metrics.csv").is_file()
+    assert not (elsewhere / "lightning_logs").exists()
+
+    second = run(cli_command(data_dir, f"--trainer.default_root_dir={other}"), cwd=elsewhere)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert (other / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
+
+    resumed = run(
+        cli_command(data_dir, f"--trainer.default_root_dir={root}", "--trainer.max_epochs=2", "--ckpt_path=last"),
+        cwd=elsewhere,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert noise(resumed.stderr) == [], noise(resumed.stderr)  # no "dirpath changed"
+    assert f"resuming from {root}/lightning_logs/version_0/checkpoints/last.ckpt" in resumed.stderr + resumed.stdout
+    version_1 = root / "lightning_logs" / "version_1"
+    config = yaml.safe_load((version_1 / "config.yaml").read_text())
+    assert config["ckpt_path"] == str(root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt")
+    assert [epoch for epoch, _ in epoch_metrics(version_1)["val/acc"]] == [0, 1]  # both runs' epochs
+
+    best = run(
+        [sys.executable, str(ROOT / "cli.py"), "test", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}",
+         f"--trainer.default_root_dir={root}", "--ckpt_path=best"],
+        cwd=elsewhere,
+    )  # fmt: skip
+    assert best.returncode == 0, best.stderr[-3000:]
+    assert "--ckpt_path best: " in best.stderr + best.stdout and "epoch=" in best.stderr + best.stdout
+
+
+@pytest.mark.parametrize(
+    "switch, expect",
+    [
+        ("--trainer.logger=false", "checkpoints/last.ckpt"),  # no log folder: Lightning puts them in the root
+        ("--trainer.enable_checkpointing=false", "lightning_logs/version_0/metrics.csv"),
+        ("--trainer.fast_dev_run=true", None),
+    ],
+)
+def test_lightning_switches_work_beside_the_default_callbacks(switch, expect, tmp_path, data_dir):
+    root = tmp_path / "root"
+    result = run(cli_command(data_dir, f"--trainer.default_root_dir={root}", switch), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert noise(result.stderr) == [], noise(result.stderr)
+    if expect:
+        assert (root / expect).is_file()
+    if "checkpointing" in switch:
+        assert not list(root.rglob("*.ckpt"))
+
+
+def test_a_yaml_callbacks_list_keeps_the_default_callbacks(tmp_path, data_dir):
+    """A config's own callbacks come on top of the defaults; a callback of a default's kind replaces that default;
+    --drop_callbacks leaves one out, and a misspelt name there is one line."""
+    root = tmp_path / "root"
+    marker = tmp_path / "marker.txt"
+    config = tmp_path / "mine.yaml"
+    own = {"class_path": "tests.test_as_users_run_it.Marker", "init_args": {"path": str(marker)}}
+    config.write_text(yaml.safe_dump({"trainer": {"callbacks": [own]}}))
+    result = run(cli_command(data_dir, "--config", str(config), f"--trainer.default_root_dir={root}"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert marker.read_text() == "4"
+    assert (root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()  # default ModelCheckpoint
+    assert "Run report" in result.stdout  # default RunReport
+
+    mine = tmp_path / "my_checkpoints"
+    checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": str(mine)}}
+    config.write_text(yaml.safe_dump({"trainer": {"callbacks": [own, checkpoint]}}))
+    args = ("--config", str(config), f"--trainer.default_root_dir={root}", "--drop_callbacks=[RunReport]")
+    result = run(cli_command(data_dir, *args), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert list(mine.glob("*.ckpt")) and not (root / "lightning_logs" / "version_1" / "checkpoints").exists()
+    assert "Run report" not in result.stdout
+
+    result = run(cli_command(data_dir, "--drop_callbacks=[RunReprt]"), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1:] == [
+        "error: --drop_callbacks: 'RunReprt' is not a default callback (did you mean RunReport?); they are "
+        "ProgressBar, RichModelSummary, LearningRateMonitor, ModelCheckpoint, RunReport, PredictionWriter, "
+        "Preemption, StopOnNonFinite"
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ CLI traps
+def one_line_error(capsys, *args: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    return lines[0]
+
+
+def test_cli_mistakes_get_one_line_with_the_fix(capsys, tmp_path):
+    assert "did you mean --trainer.max_epochs?" in one_line_error(capsys, "fit", "--trainer.max_epoch=1")
+    assert "did you mean --model.optimizer?" in one_line_error(capsys, "fit", "--optimizer=Adam")
+    line = one_line_error(capsys, "fit", "--data.source=fashion_mnist", f"--data.data_dir={tmp_path}")
+    assert "--data.source=synthetic" in line
+
+
+def test_help_names_the_tools_and_what_ckpt_path_takes(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "cli.py plot" in out and "cli.py export" in out
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    ckpt_help = out[out.index("--ckpt_path CKPT_PATH Checkpoint") :][:400]
+    assert "'last'" in ckpt_help and "'best'" in ckpt_help and "lightning_logs/version_N/checkpoints/" in ckpt_help
+
+
+def test_dp_run_report_names_each_device(tmp_path, data_dir):
+    result = run(cli_command(data_dir, "--trainer.strategy=dp", "--trainer.devices=2"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if "│" in line and "cpu" in line]
+    assert len(rows) == 2 and "cpu:0" in rows[0] and "cpu:1" in rows[1], result.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------ the user's script
+USER_SCRIPT = """
+    import sys
+    import warnings
+
+    import torch
+    from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import app  # noqa: F401  (registers the horovod strategy)
+
+
+    class Model(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(4, 2)
+
+        def training_step(self, batch, batch_idx):
+            if batch_idx == 0 and self.global_rank == 0:
+                warnings.warn("the user's own warning")
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+    class Data(LightningDataModule):
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(0)
+            data = TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g))
+            return DataLoader(data, batch_size=4)
+
+
+    class Steps(Callback):
+        def on_train_end(self, trainer, pl_module):
+            print(f"rank {trainer.global_rank} trained {trainer.global_step} steps")
+
+
+    def main():
+        model = Model()
+        before = model.net.weight.detach().clone()
+        trainer = Trainer(
+            strategy="horovod", devices=2, accelerator="cpu", max_epochs=1, callbacks=[Steps()], logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.fit(model, Data())
+        print("weights changed:", not torch.equal(before, model.net.weight))
+
+
+    if __name__ == "__main__":
+        main()
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_horovod_self_launch_runs_classes_from_the_users_own_script(how, tmp_path):
+    (tmp_path / "user_train.py").write_text(textwrap.dedent(USER_SCRIPT))
+    cmd = [sys.executable, "user_train.py"] if how == "script" else [sys.executable, "-m", "user_train"]
+    result = run(cmd, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 trained 4 steps" in result.stdout and "rank 1 trained 4 steps" in result.stdout
+    assert "weights changed: True" in result.stdout  # rank 0's weights came back to the caller's model
+    assert "the user's own warning" in result.stderr  # our filters are narrow
+
+
+# ------------------------------------------------------------------------------------------------ horovod faults
+def rank_processes(job_marker: str) -> list[int]:
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if job_marker in cmdline.read_bytes().decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
+def test_stopping_a_self_launched_horovod_run_leaves_no_rank_behind(signum, tmp_path, data_dir):
+    """SIGTERM: the ranks checkpoint and the run exits 143. SIGKILL of the launcher: mpirun and the ranks go too.
+    Either way no rank keeps running and the launch folder is removed; the redirected log has no escape codes."""
+    root, log = tmp_path / "root", tmp_path / "run.log"
+    cmd = cli_command(
+        data_dir, f"--trainer.default_root_dir={root}", "--trainer.strategy=horovod", "--trainer.devices=2",
+        "--trainer.max_epochs=1000", "--trainer.enable_progress_bar=true",
+    )  # fmt: skip
+    before = set(Path(tempfile_dir()).glob("horovod-launch-*"))
+    with open(log, "w") as out:
+        process = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, **MPI_ENV}, stdout=out, stderr=out)
+    try:
+        last = root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+        wait_for(lambda: last.exists() or process.poll() is not None, 240, "the first epoch's checkpoint")
+        assert process.poll() is None, log.read_text()[-3000:]
+        launches = set(Path(tempfile_dir()).glob("horovod-launch-*")) - before
+        assert len(launches) == 1
+        (launch,) = launches
+        assert len(rank_processes(str(launch))) >= 2
+        stamp = last.stat().st_mtime_ns
+        process.send_signal(signum)
+        code = process.wait(timeout=60)
+        wait_for(lambda: not rank_processes(str(launch)), 30, "the ranks to exit")
+        if signum == signal.SIGKILL:  # rank 0 removes it if mpirun lets it finish; else the next launch does
+            time.sleep(2)
+            remove_stale_launch_folders()
+        wait_for(lambda: not launch.exists(), 10, "the launch folder to be removed")
+    finally:
+        if process.poll() is None:
+            process.kill()
+    text = log.read_text()
+    assert "\x1b" not in text
+    if signum == signal.SIGTERM:
+        assert code == 143, text[-3000:]
+        assert "SIGTERM: stopped after step" in text
+        assert last.stat().st_mtime_ns > stamp  # the stop's own checkpoint
+    else:
+        assert code == -signal.SIGKILL
+
+
+def tempfile_dir() -> str:
+    import tempfile
+
+    return tempfile.gettempdir()
+
+
+# ------------------------------------------------------------------------------------------------ the terminal
+def screen(cmd: list[str], cwd: Path, columns: int, rows: int = 40, timeout: float = 240) -> tuple[int, list[str]]:
+    """Run ``cmd`` in a pseudo-terminal of ``columns`` x ``rows`` and return its exit code and what a person sees
+    at the end (scrollback and screen), as a VT100 terminal draws it."""
+    import pyte
+
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+    env = {**os.environ, **MPI_ENV, "COLUMNS": str(columns), "LINES": str(rows), "TERM": "xterm-256color"}
+    process = subprocess.Popen(
+        cmd, cwd=cwd, env=env, stdin=secondary, stdout=secondary, stderr=secondary, start_new_session=True
+    )
+    os.close(secondary)
+    output = bytearray()
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, "timed out"
+        ready, _, _ = select.select([primary], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(primary, 65536)
+            except OSError:  # the other side closed
+                chunk = b""
+            if not chunk:
+                break
+            output += chunk
+        elif process.poll() is not None:
+            break
+    code = process.wait(timeout=30)
+    os.close(primary)
+    terminal = pyte.HistoryScreen(columns, rows, history=100000)
+    pyte.Stream(terminal).feed(output.decode("utf-8", "replace"))
+    lines = ["".join(row[x].data for x in range(columns)).rstrip() for row in terminal.history.top]
+    return code, lines + [line.rstrip() for line in terminal.display]
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+def test_the_terminal_keeps_every_epoch_line_and_the_whole_run_report(columns, tmp_path, data_dir):
+    cmd = cli_command(
+        data_dir, "--trainer.max_epochs=3", "--trainer.enable_progress_bar=true", "--drop_callbacks=[RichModelSummary]"
+    )
+    code, lines = screen(cmd, tmp_path, columns)
+    text = "\n".join(lines)
+    assert code == 0, text[-3000:]
+    for epoch in range(3):
+        assert sum(line.startswith(f"epoch {epoch} | train loss") for line in lines) == 1, text
+    title = next(i for i, line in enumerate(lines) if "Run report" in line)
+    table = lines[title + 1 : title + 6]
+    assert table[0].startswith("┏") and "rank" in table[1] and table[4].startswith("└"), text
+    assert "cpu" in table[3] and "12" in table[3]  # its one row: 3 epochs x 4 steps
+
+
+def test_redirected_output_is_plain_text(tmp_path, data_dir):
+    result = run(cli_command(data_dir, "--trainer.enable_progress_bar=true"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "\x1b" not in result.stdout + result.stderr
+    assert "epoch 0 | train loss" in result.stdout + result.stderr
+    assert noise(result.stderr) == [], noise(result.stderr)
+
+
+def test_json_callbacks_on_the_command_line_still_append(tmp_path, data_dir):
+    """--trainer.callbacks+= adds to the defaults, as before."""
+    marker = tmp_path / "marker.txt"
+    spec = {"class_path": "tests.test_as_users_run_it.Marker", "init_args": {"path": str(marker)}}
+    result = run(cli_command(data_dir, "--trainer.callbacks+=" + json.dumps(spec)), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert marker.read_text() == "4" and list((tmp_path / "lightning_logs").rglob("last.ckpt"))
