@@ -239,7 +239,11 @@ class CLI(LightningCLI):
                     f"{ckpt_path} holds a network with --model.{key}={saved[key]}, but --model.{key}={given.get(key)} "
                     f"was given; drop the flag (the checkpoint's value is used) or pass another --ckpt_path"
                 )
-        self.config = self.parser.parse_object({subcommand: {"model": saved}}, self.config)
+        # The network comes from the checkpoint; a training setting (optimizer, label smoothing, ...) given on the
+        # command line wins over the checkpoint's. A value equal to the default counts as not given.
+        defaults = self._subcommand_parsers[subcommand].get_defaults().model
+        taken = {k: v for k, v in saved.items() if k in ARCH_KEYS or given.get(k) == defaults.get(k)}
+        self.config = self.parser.parse_object({subcommand: {"model": taken}}, self.config)
 
     def _check_ckpt_path(self) -> None:
         """Resolve ``--ckpt_path last`` and ``best`` ourselves, and refuse weights that do not fit, before any work.

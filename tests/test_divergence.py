@@ -27,7 +27,7 @@ def assert_finite(path) -> None:
 
 
 @pytest.mark.slow
-def test_a_diverging_resume_stops_and_keeps_the_good_checkpoints(tmp_path, data_dir):
+def test_a_diverging_run_stops_and_keeps_the_good_checkpoints(tmp_path, data_dir):
     cwd, root = tmp_path / "elsewhere", tmp_path / "runs"
     cwd.mkdir()
     good = fit(cwd, root, data_dir, "--trainer.max_epochs=1")
@@ -35,7 +35,9 @@ def test_a_diverging_resume_stops_and_keeps_the_good_checkpoints(tmp_path, data_
     before = checkpoints(root)
     assert any(p.name == "last.ckpt" for p in before)
 
-    bad = fit(cwd, root, data_dir, "--ckpt_path=last", "--trainer.max_epochs=3", "--model.optimizer.lr=1e6")
+    # A second run in the same root that diverges. (A resume would not: the optimizer state saved in the checkpoint,
+    # its lr included, is restored over --model.optimizer.lr.)
+    bad = fit(cwd, root, data_dir, "--trainer.max_epochs=3", "--model.optimizer.lr=1e6")
     assert bad.returncode == 1, bad.stderr[-3000:]
     last_line = bad.stderr.strip().splitlines()[-1]
     assert last_line.startswith("error: training diverged: train/loss became nan by step"), last_line
