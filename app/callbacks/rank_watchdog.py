@@ -30,6 +30,8 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
+from app.strategies.launch import process_alive
+
 EXIT_CODE = 1
 DONE = -(1 << 40)  # added to a rank's counter when it finishes
 
@@ -93,7 +95,7 @@ class Heartbeat(threading.Thread):
             for r in peers:
                 if beats[r] < 0:  # finished
                     continue
-                if pids.get(r) and not _alive(pids[r]):
+                if pids.get(r) and not process_alive(pids[r]):
                     if self._finished(r):  # it marked itself done, then exited
                         continue
                     lost.append(r)
@@ -137,20 +139,6 @@ class Heartbeat(threading.Thread):
         self._halt.set()
         with contextlib.suppress(Exception):  # the store may already be gone at the very end
             self.store.add(self._key("beat", self.rank), DONE)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) is dead too
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 class RankWatchdog(Callback):

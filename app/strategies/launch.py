@@ -267,13 +267,18 @@ def remove_stale_launch_folders() -> None:
 
 
 def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def main_module_preparation() -> dict:
