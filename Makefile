@@ -14,15 +14,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
-# editable_mode=compat: a plain .pth to this folder (setuptools' default finder warns about same-named folders)
-EDITABLE := --config-settings editable_mode=compat
-
 $(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
-	$(BIN)/python -m pip install --quiet $(EDITABLE) -e .
+	$(BIN)/python -m pip install --quiet -e .
 	touch $@
 
 $(VENV)/.installed-dev: $(BIN)/python setup.cfg pyproject.toml
-	$(BIN)/python -m pip install --quiet $(EDITABLE) -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@ $(VENV)/.installed
 
 train: $(VENV)/.installed
