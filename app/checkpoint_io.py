@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import re
@@ -38,14 +39,32 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a checkpoint is as readable as any file the run writes
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
+        full = isinstance(err, OSError | RuntimeError) and _disk_full(path.parent, err)
         Path(tmp).unlink(missing_ok=True)
+        if full:
+            raise UserError(
+                f"{path}: not written, {full}; the file there before (if any) is unchanged. Free space, then resume "
+                "with --ckpt_path last"
+            ) from None
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)  # the rename itself survives a crash
     finally:
         os.close(dir_fd)
+
+
+def _disk_full(folder: Path, err: BaseException) -> str:
+    """Why a write failed when the disk is the reason (torch's zip writer reports a full disk as a RuntimeError)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return f"{folder}: {err.strerror}"
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return ""
+    free = stat.f_bavail * stat.f_frsize
+    return f"the disk is full ({free / 2**20:.1f} MiB free in {folder})" if free < 2**20 else ""
 
 
 def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: Any = "cpu") -> Any:
@@ -60,8 +79,14 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
 
         return _load(str(path), map_location=map_location, weights_only=True)
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(path.rglob("*.ckpt"))
+        example = inside[-1] if inside else path / "checkpoints" / "last.ckpt"
+        raise UserError(f"{path}: is a folder; pass a checkpoint file such as {example}")
     if not path.is_file():
         raise UserError(f"{path}: no such checkpoint file; pass --ckpt_path lightning_logs/version_N/checkpoints/...")
+    if path.stat().st_size == 0:
+        raise UserError(f"{path}: an empty file (0 bytes), not a checkpoint; pass another --ckpt_path")
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
@@ -70,7 +95,8 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
             "unpickled here (torch.load weights_only=True); re-save it from a state_dict"
         ) from None
     except Exception as err:  # truncated, or not a torch file at all
-        reason = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()[0][:100]
+        lines = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()
+        reason = lines[0][:100] if lines else "no details"
         raise UserError(
             f"{path}: not a loadable checkpoint, truncated or corrupt ({type(err).__name__}: {reason})"
         ) from None

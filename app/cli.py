@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import errno
 import importlib
 import inspect
 import re
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
@@ -22,6 +24,7 @@ from app.checkpoint_io import SafeCheckpointIO
 from app.data import FashionMNISTDataModule
 from app.errors import UserError
 from app.model import ARCH_KEYS, DEFAULT_SGD, ImageClassifier, check_compatible, load_checkpoint
+from app.run_dir import check_writable, claim_versions, is_first_process, release_if_unused
 from app.strategies.launch import mpi_world_size
 
 # Added to every fit/validate/test/predict, beside the run's own callbacks (a YAML ``trainer.callbacks:`` list or
@@ -129,6 +132,20 @@ class Parser(LightningArgumentParser):
 
 
 class CLI(LightningCLI):
+    def __init__(self, *args, **kwargs) -> None:
+        self._claimed: list[Path] = []
+        try:
+            super().__init__(*args, **kwargs)
+        except BaseException as err:
+            release_if_unused(self._claimed)  # a run that failed before doing anything leaves no folder
+            if isinstance(err, MisconfigurationException | ValueError) and not isinstance(err, UserError):
+                # Lightning checks some settings only when the run starts (val_check_interval against the batches)
+                config = self.config[self.subcommand] if getattr(self, "subcommand", None) else {}
+                user_error = trainer_setting_error(err, config.get("trainer", {}))
+                if user_error is not None:
+                    raise user_error from None
+            raise
+
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         self.parser.epilog = TOOLS_EPILOG  # plot and export are ours, dispatched in main()
@@ -167,6 +184,7 @@ class CLI(LightningCLI):
         config = self._subconfig(self.config)
         check_strategy_name(config.trainer.strategy)
         check_devices(config.trainer.devices)
+        check_trainer_numbers(config.trainer)
         # The default loggers write under --trainer.default_root_dir, as Lightning's own default logger does;
         # a logger given with another save_dir keeps it.
         root = config.trainer.default_root_dir
@@ -176,6 +194,9 @@ class CLI(LightningCLI):
             init_args = getattr(logger, "init_args", None)
             if root and getattr(logger, "class_path", None) in defaults and init_args.get("save_dir") == ".":
                 init_args.save_dir = str(root)
+        if is_first_process():
+            check_writable(root or Path.cwd())
+        self._claimed = claim_versions(loggers)  # version_N made now: no other run can take it
 
     def instantiate_trainer(self, **kwargs):
         config = self._subconfig(self.config_init)
@@ -195,14 +216,8 @@ class CLI(LightningCLI):
                     "processes)"
                 ) from None
             if isinstance(err, MisconfigurationException | ValueError):
-                raise UserError(reason) from None
+                raise trainer_setting_error(err, config.trainer) or UserError(reason) from None
             raise
-        # Loggers pick "the next free version_N" each on its own, and whichever asks second sees the folder the
-        # first one made. Give every logger that shares the first one's folder the first one's version.
-        first, *others = trainer.loggers or [None]
-        for logger in others:
-            if getattr(logger, "root_dir", None) == getattr(first, "root_dir", None) and logger._version is None:
-                logger._version = first.version
         # Atomic checkpoint writes and weights_only loads, whatever the strategy.
         trainer.strategy.checkpoint_io = SafeCheckpointIO(allow_remote=bool(config.get("allow_remote_ckpt")))
         return trainer
@@ -272,6 +287,11 @@ class CLI(LightningCLI):
         allow_remote = bool(self.config[self.subcommand].get("allow_remote_ckpt"))
         checkpoint = load_checkpoint(ckpt_path, allow_remote=allow_remote)
         check_compatible(checkpoint, ckpt_path, self.model)
+        if self.subcommand == "fit" and not checkpoint.get("optimizer_states"):
+            raise UserError(
+                f"{ckpt_path}: holds the network's weights but no optimizer state (written with save_weights_only), "
+                "so fit cannot resume from it; validate, test, predict and export accept it"
+            )
         prefix = f"--ckpt_path {given}: " if given != ckpt_path else ""
         if self.subcommand == "fit":
             rank_zero_info(
@@ -331,6 +351,25 @@ def check_strategy_name(strategy) -> None:
         )
 
 
+def trainer_setting_error(err: Exception, trainer_config) -> UserError | None:
+    """Lightning's own complaint about a Trainer setting (it names it in backquotes) as one line naming the flag."""
+    reason = " ".join(str(err).split())
+    settings = inspect.signature(Trainer.__init__).parameters
+    for name in re.findall(r"`(?:Trainer\()?(\w+)", reason):
+        if name in settings:
+            return UserError(f"--trainer.{name}={trainer_config.get(name)}: {reason}")
+    return None
+
+
+def check_trainer_numbers(trainer_config) -> None:
+    """Settings Lightning takes without a check and fails on later with a bare ZeroDivisionError."""
+    accumulate = trainer_config.get("accumulate_grad_batches")
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise UserError(
+            f"--trainer.accumulate_grad_batches={accumulate}: use a whole number >= 1 (the batches per optimizer step)"
+        )
+
+
 def check_devices(devices) -> None:
     try:
         count = int(devices)
@@ -379,4 +418,11 @@ def main(args: list[str] | None = None) -> CLI | None:
         )
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as err:
+        if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            raise
+        where = f"{err.filename}: " if err.filename else ""
+        hint = "free space, or pass a writable --trainer.default_root_dir"
+        print(f"error: {where}{err.strerror}; {hint}", file=sys.stderr)
         sys.exit(2)

@@ -165,6 +165,12 @@ class FashionMNISTDataModule(LightningDataModule):
                 write_idx(self.synthetic_dir / labels_file, labels)
             atomic_write_bytes(stamp, expected.encode())  # last: a stamp vouches for finished files only
         except OSError as err:
+            blocking = next((p for p in [self.synthetic_dir, *self.synthetic_dir.parents] if p.is_file()), None)
+            if blocking is not None:
+                raise DataFileError(
+                    f"--data.data_dir={self.data_dir}: {blocking} is a file where a folder belongs; move it away or "
+                    "pass another --data.data_dir"
+                ) from None
             raise DataFileError(
                 f"{self.synthetic_dir}: cannot write the synthetic files ({err.strerror}); make the folder writable "
                 "or pass another --data.data_dir"
@@ -353,7 +359,7 @@ class FashionMNISTDataModule(LightningDataModule):
 def load_image_folder(folder: str | Path, invert: Invert = "auto") -> tuple[torch.Tensor, list[str]]:
     """The PNG/JPEG images of ``folder`` (sorted by name) as uint8 ``[N, 28, 28]`` in Fashion-MNIST's polarity."""
     from torchvision.io import ImageReadMode, decode_image
-    from torchvision.transforms.v2.functional import resize
+    from torchvision.transforms.v2.functional import resize, to_dtype
 
     folder = Path(folder)
     if not folder.is_dir():
@@ -364,9 +370,10 @@ def load_image_folder(folder: str | Path, invert: Invert = "auto") -> tuple[torc
     images = []
     for path in files:
         try:
-            image = decode_image(str(path), mode=ImageReadMode.GRAY)  # [1, H, W] uint8
+            image = decode_image(str(path), mode=ImageReadMode.GRAY)  # [1, H, W], uint8 (uint16 for 16-bit PNGs)
         except RuntimeError as err:
             raise UserError(f"{path}: not a readable image ({err}); remove it from --data.predict_dir") from None
+        image = to_dtype(image, torch.uint8, scale=True)
         image = resize(image, [28, 28], antialias=True)[0]
         if invert == "always" or (invert == "auto" and _border_is_lighter(image)):
             image = 255 - image

@@ -33,7 +33,7 @@ from torch import nn
 
 from app.data import CLASSES, MEAN, STD
 from app.errors import UserError
-from app.model import load_checkpoint, network_state_dict
+from app.model import check_weights_fit, load_checkpoint, network_state_dict, saved_network
 from app.networks import build_resnet
 
 FORMAT = "fashion-resnet-export/1"
@@ -46,8 +46,7 @@ def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> P
     if out.exists() and not overwrite:
         raise UserError(f"--out {out} already exists; choose another path or pass --overwrite")
     checkpoint = load_checkpoint(ckpt_path)
-    hp = checkpoint.get("hyper_parameters", {})
-    network = {"arch": hp["arch"], "num_classes": hp["num_classes"], "norm": hp.get("norm", "batch")}
+    network = saved_network(checkpoint, ckpt_path)
     payload: dict[str, Any] = {
         "format": FORMAT,
         "network": network,
@@ -62,7 +61,9 @@ def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> P
         "checkpoint": str(ckpt_path),
         "git_commit": git_commit(),
     }
-    build_resnet(**network).load_state_dict(payload["state_dict"], strict=True)  # refuse to write a broken file
+    net = build_resnet(**network)
+    check_weights_fit(payload["state_dict"], net.state_dict(), ckpt_path)  # refuse to write a broken file
+    net.load_state_dict(payload["state_dict"], strict=True)
     bad = [name for name, t in payload["state_dict"].items() if t.is_floating_point() and not t.isfinite().all()]
     if bad:
         raise UserError(f"{ckpt_path}: {len(bad)} weight tensor(s) hold inf or nan (e.g. {bad[0]}): a diverged run")

@@ -222,7 +222,11 @@ def check_compatible(checkpoint: dict[str, Any], ckpt_path: str | Path, module: 
                 f"{ckpt_path} holds a network with --model.{key}={saved[key]}, but this run builds "
                 f"--model.{key}={hparams[key]}; pass --model.{key}={saved[key]} or another --ckpt_path"
             )
-    weights, expected = checkpoint["state_dict"], module.state_dict()
+    check_weights_fit(checkpoint["state_dict"], module.state_dict(), ckpt_path)
+
+
+def check_weights_fit(weights: dict[str, Any], expected: dict[str, Any], ckpt_path: str | Path) -> None:
+    """Every tensor the network has, with the shape it has, and nothing else; one line naming the first misfit."""
     for name in sorted(set(weights) | set(expected)):
         have = tuple(weights[name].shape) if name in weights else "missing"
         want = tuple(expected[name].shape) if name in expected else "not in this network"
@@ -233,10 +237,19 @@ def check_compatible(checkpoint: dict[str, Any], ckpt_path: str | Path, module: 
             )
 
 
+def saved_network(checkpoint: dict[str, Any], ckpt_path: str | Path) -> dict[str, Any]:
+    """The arguments of :func:`build_resnet` that a checkpoint's network was built with."""
+    hp = checkpoint["hyper_parameters"]
+    if "arch" not in hp or "num_classes" not in hp:
+        raise UserError(f"{ckpt_path}: not a checkpoint of this project's model (no arch / num_classes saved)")
+    return {"arch": hp["arch"], "num_classes": hp["num_classes"], "norm": hp.get("norm", "batch")}
+
+
 def load_network(ckpt_path: str | Path) -> nn.Module:
     """Rebuild the network a checkpoint was trained with and load its weights (``weights_only``, strict)."""
     checkpoint = load_checkpoint(ckpt_path)
-    hp = checkpoint["hyper_parameters"]
-    net = build_resnet(hp["arch"], num_classes=hp["num_classes"], norm=hp.get("norm", "batch"))
-    net.load_state_dict(network_state_dict(checkpoint), strict=True)
+    net = build_resnet(**saved_network(checkpoint, ckpt_path))
+    weights = network_state_dict(checkpoint)
+    check_weights_fit(weights, net.state_dict(), ckpt_path)
+    net.load_state_dict(weights, strict=True)
     return net.eval()

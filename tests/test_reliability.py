@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from app.checkpoint_io import atomic_torch_save, safe_torch_load
 from app.errors import UserError
@@ -130,6 +131,7 @@ def test_signal_mid_epoch_checkpoints_exits_and_resumes_bit_identical(
     output = stopped.stdout + stopped.stderr
     assert stopped.returncode == code, output[-3000:]
     assert f"[rank {rank}] received {signal_name}" in output and "Traceback" not in output
+    assert "weights_only" not in output  # Lightning's note when a save does not say what it saves
     [v0] = versions(workdir)
     checkpoint = last_ckpt(v0)
     step = checkpoint["global_step"]
@@ -351,6 +353,15 @@ BAD_INPUT = {
     "other class count": (["--ckpt_path=other.ckpt"], "other.ckpt: its weights do not fit this network"),
     "contradicting flag": (["--ckpt_path=good.ckpt", "--model.num_classes=5"], "--model.num_classes=5 was given"),
     "http checkpoint": (["--ckpt_path=https://example.com/x.ckpt"], "remote checkpoints are not loaded"),
+    "empty checkpoint": (["--ckpt_path=empty.ckpt"], "empty.ckpt: an empty file (0 bytes)"),
+    "weights-only checkpoint": (["--ckpt_path=weights.ckpt"], "weights.ckpt: holds the network's weights but no optim"),
+    "folder as checkpoint": (["--ckpt_path=lightning_logs"], "lightning_logs: is a folder; pass a checkpoint file"),
+    "watchdog timeout 0": (["--watchdog.timeout=0"], "--watchdog.timeout=0: use a number of seconds > 0"),
+    "accumulate 0": (["--trainer.accumulate_grad_batches=0"], "--trainer.accumulate_grad_batches=0: use a whole"),
+    "val_check_interval > batches": (["--trainer.val_check_interval=50.0"], "--trainer.val_check_interval=50.0: `val"),
+    "lightning_logs is a file": (["--trainer.default_root_dir=blocked"], "blocked/lightning_logs: is a file"),
+    "default_root_dir is a file": (["--trainer.default_root_dir=good.ckpt"], "default_root_dir=good.ckpt: is a file"),
+    "data_dir is a file": (["--data.data_dir=good.ckpt"], "--data.data_dir=good.ckpt: good.ckpt is a file"),
     "no files, no network": (["--data.source=fashion_mnist", "--data.data_dir=empty"], "--data.source=fashion_mnist"),
     "truncated IDX": (["--data.data_dir=truncated"], "train-images-idx3-ubyte: truncated"),
     "label out of range": (["--data.data_dir=labels"], "label 10 out of range 0..9"),
@@ -369,7 +380,13 @@ def bad_input_dir(tmp_path_factory, data_dir):
     good = cwd / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     shutil.copy(good, cwd / "good.ckpt")
     (cwd / "truncated.ckpt").write_bytes(good.read_bytes()[:50_000])
+    (cwd / "empty.ckpt").touch()
     checkpoint = torch.load(good, weights_only=True)
+    torch.save(
+        {k: v for k, v in checkpoint.items() if k not in ("optimizer_states", "lr_schedulers")}, cwd / "weights.ckpt"
+    )
+    (cwd / "blocked").mkdir()
+    (cwd / "blocked" / "lightning_logs").write_text("not a folder")
     torch.save({**checkpoint, "payload": _Payload()}, cwd / "pickled.ckpt")
     torch.save(
         {**checkpoint, "hyper_parameters": {**checkpoint["hyper_parameters"], "num_classes": 5}}, cwd / "other.ckpt"
@@ -426,3 +443,77 @@ def test_loading_a_checkpoint_never_runs_its_code(bad_input_dir, monkeypatch):
     with pytest.raises(UserError, match="refused: it holds pickled Python objects"):
         load_checkpoint("pickled.ckpt")
     assert not (bad_input_dir / "PWNED").exists()
+
+
+# ------------------------------------------------------------------------------------------------ run folders
+def test_runs_started_at_once_in_one_root_each_get_their_own_folder(workdir, data_dir):
+    """Three runs started together: three version folders, each with its own whole config and hparams."""
+    args = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1"]
+    runs = [
+        subprocess.Popen(
+            fit_command(data_dir, *args, f"--model.label_smoothing={smoothing}"),
+            cwd=workdir,
+            env=env(),
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for smoothing in (0.0, 0.1, 0.2)
+    ]
+    errors = [run.communicate(timeout=240)[1] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0, 0], [e[-2000:] for e in errors]
+    folders = versions(workdir)
+    assert [v.name for v in folders] == ["version_0", "version_1", "version_2"]
+    seen = set()
+    for folder in folders:
+        config = yaml.safe_load((folder / "config.yaml").read_text())
+        hparams = yaml.safe_load((folder / "hparams.yaml").read_text())
+        assert hparams["label_smoothing"] == config["model"]["label_smoothing"]  # one run's files, whole
+        assert (folder / "checkpoints" / "last.ckpt").is_file()
+        seen.add(hparams["label_smoothing"])
+    assert seen == {0.0, 0.1, 0.2}
+
+
+def _mount_tmpfs(path: Path, options: str) -> None:
+    path.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
+    if result.returncode != 0:
+        pytest.skip(f"a small or read-only disk needs a tmpfs mount, not permitted here: {result.stderr!r}")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB file system: room for one checkpoint of the tiny network (2.4 MB), not two."""
+    path = tmp_path / "small"
+    _mount_tmpfs(path, "size=4m")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture
+def read_only_disk(tmp_path):
+    path = tmp_path / "read-only"
+    _mount_tmpfs(path, "ro,size=1m")
+    yield path
+    subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_keeps_what_was_written(small_disk, data_dir):
+    result = fit(small_disk, data_dir, "--trainer.max_epochs=1", f"--trainer.default_root_dir={small_disk}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "last.ckpt: not written, the disk is full" in last, last
+    assert "--ckpt_path last" in last
+    [version] = versions(small_disk)
+    [kept] = (version / "checkpoints").glob("epoch=*.ckpt")  # written before the disk filled, whole
+    assert load_checkpoint(kept)["global_step"] == STEPS_PER_EPOCH
+    assert not list((version / "checkpoints").glob(".*"))  # no temporary left behind
+
+
+@pytest.mark.parametrize("logger", ["true", "false"])
+def test_a_read_only_output_folder_is_one_line_before_any_work(read_only_disk, data_dir, logger, tmp_path):
+    result = fit(tmp_path, data_dir, f"--trainer.default_root_dir={read_only_disk}", f"--trainer.logger={logger}")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "Read-only file system" in last and "default_root_dir" in last, last

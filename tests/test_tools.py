@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from PIL import Image
 from torchvision.io import decode_image, write_png
 
 from app.data import MEAN, STD
@@ -143,14 +144,20 @@ def test_export_rebuilds_the_network_with_identical_predictions(run_dir, tmp_pat
     )
 
 
-@pytest.mark.parametrize("case", ["missing", "truncated"])
+@pytest.mark.parametrize("case", ["missing", "truncated", "weights of another network"])
 def test_export_of_a_bad_checkpoint_is_one_line(run_dir, tmp_path, case, capsys):
     ckpt = tmp_path / "bad.ckpt"
     if case == "truncated":
         data = (run_dir / "checkpoints" / "last.ckpt").read_bytes()
         ckpt.write_bytes(data[: len(data) // 2])
+    if case == "weights of another network":  # resnet_tiny's weights under a resnet18 label
+        checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+        checkpoint["hyper_parameters"]["arch"] = "resnet18"
+        torch.save(checkpoint, ckpt)
     code, err = exit_code_and_stderr(capsys, "export", "--ckpt_path", str(ckpt), "--out", str(tmp_path / "m.pt"))
-    assert code == 2 and err.startswith(f"error: {ckpt}: ") and len(err.strip().splitlines()) == 1
+    assert code == 2 and err.startswith(f"error: {ckpt}") and len(err.strip().splitlines()) == 1, err
+    if case == "weights of another network":
+        assert "its weights do not fit this network" in err
     assert not (tmp_path / "m.pt").exists()
 
 
@@ -169,6 +176,7 @@ def test_predict_on_a_folder_of_png_images(run_dir, data_dir, workdir):
     for i, image in enumerate(images):
         write_png(image[None], str(folder / f"item{i:02d}.png"))
     write_png((255 - images[3])[None], str(folder / "item03_inverted.png"))  # dark on light, as a photo would be
+    Image.fromarray(images[5].numpy().astype("uint16") * 257).save(folder / "item05_16bit.png")  # same, 16 bits deep
     (folder / "notes.txt").write_text("not an image, ignored")
 
     ckpt = run_dir / "checkpoints" / "last.ckpt"
@@ -191,6 +199,7 @@ def test_predict_on_a_folder_of_png_images(run_dir, data_dir, workdir):
     by_name = {r["name"]: int(r["pred"]) for r in rows}
     assert [by_name[f"item{i:02d}.png"] for i in range(12)] == expected
     assert by_name["item03_inverted.png"] == by_name["item03.png"]  # auto-inverted back to Fashion-MNIST polarity
+    assert by_name["item05_16bit.png"] == by_name["item05.png"]
     assert all(0 < float(r["prob"]) <= 1 and r["label"] == "-1" for r in rows)
 
 

@@ -136,7 +136,8 @@ class Preemption(Callback):
         monitor_candidates = callback._monitor_candidates(trainer)
         path = callback.format_checkpoint_name(monitor_candidates, callback.CHECKPOINT_NAME_LAST)
         callback.last_model_path = path  # part of the checkpoint's callback state, as Lightning's save_last does
-        trainer.save_checkpoint(path)  # every rank calls it; rank 0 writes, then all wait at a barrier
+        # every rank calls it; rank 0 writes, then all wait at a barrier
+        trainer.save_checkpoint(path, weights_only=False)
         return Path(path)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
+from app.errors import UserError
 from app.strategies.launch import process_alive
 
 EXIT_CODE = 1
@@ -150,7 +151,9 @@ class RankWatchdog(Callback):
             interval: Seconds between heartbeats (default: timeout / 10, at most 1).
         """
         if timeout <= 0:
-            raise ValueError(f"--watchdog.timeout must be > 0, got {timeout}")
+            raise UserError(f"--watchdog.timeout={timeout:g}: use a number of seconds > 0 (default 60)")
+        if interval is not None and interval <= 0:
+            raise UserError(f"--watchdog.interval={interval:g}: use a number of seconds > 0, or leave it unset")
         self.timeout = float(timeout)
         self.interval = float(interval) if interval else min(1.0, self.timeout / 10)
         self._heartbeat: Heartbeat | None = None

@@ -1,0 +1,126 @@
+"""Each run's own ``version_N`` folder: claimed with one ``mkdir`` before anything is written into it, and removed
+again when the run fails before it has trained, tested or saved anything.
+
+Lightning's loggers each pick "the next free version_N" by listing the folder, so two runs started at once in one
+root both take the same N and write into each other's files. Here the process that will be global rank 0 creates
+``version_N`` itself (``mkdir`` fails for the loser of a race, which then tries N+1) and hands N to every logger
+that writes under that root, through the loggers' ``version`` argument. Processes that a launcher starts later
+(Lightning's ddp re-runs this script per rank) read N from the environment.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+from app.errors import UserError
+from app.strategies.launch import launcher_ranks
+
+VERSION_ENV = "FASHION_RUN_VERSION"  # the claimed N, for the ranks a launcher starts after the claim
+KEEP_METRICS = ("train/loss", "val/", "test/")  # a run that logged one of these has something to keep
+
+
+def is_first_process() -> bool:
+    """True in the process that becomes global rank 0 (before any strategy has set ranks up)."""
+    ranks = launcher_ranks()  # mpirun / horovodrun
+    if ranks is not None:
+        return ranks[1] == 0
+    # torchrun sets RANK; Lightning's ddp children LOCAL_RANK; a second node's launcher NODE_RANK; srun SLURM_PROCID.
+    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def _folder_logger_root(logger) -> Path | None:
+    """``save_dir/name`` of a CSV or TensorBoard logger config whose version is left to pick, else None."""
+    class_path = getattr(logger, "class_path", None)
+    init_args = getattr(logger, "init_args", None)
+    if not class_path or init_args is None or init_args.get("version") is not None:
+        return None
+    module, _, name = class_path.rpartition(".")
+    try:
+        cls = getattr(__import__(module, fromlist=[name]), name)
+    except (ImportError, AttributeError):
+        return None
+    if not (isinstance(cls, type) and issubclass(cls, CSVLogger | TensorBoardLogger)):
+        return None
+    folder = init_args.get("name", "lightning_logs")
+    return Path(init_args.get("save_dir") or ".") / (folder or "")
+
+
+def claim_versions(loggers: list) -> list[Path]:
+    """Give each folder-writing logger config (version unset) a claimed ``version_N``; returns the claimed folders."""
+    claimed: dict[Path, int] = {}
+    first = is_first_process()
+    for logger in loggers:
+        root = _folder_logger_root(logger)
+        if root is None:
+            continue
+        if root not in claimed:
+            if first:
+                claimed[root] = claim(root)
+                os.environ[VERSION_ENV] = str(claimed[root])
+            elif os.environ.get(VERSION_ENV, "").isdigit():
+                claimed[root] = int(os.environ[VERSION_ENV])
+            else:
+                continue  # a rank started by an outside launcher: it never writes the run folder
+        logger.init_args.version = claimed[root]
+    return [root / f"version_{n}" for root, n in claimed.items()] if first else []
+
+
+def claim(root: Path) -> int:
+    """Create ``root/version_N`` for the lowest N above every existing one; ``mkdir`` decides a race."""
+    hint = "pass a writable --trainer.default_root_dir"
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{root}: is a file, where the runs' folder belongs; move it away or {hint}")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        taken = [int(m[1]) for p in root.iterdir() if (m := re.fullmatch(r"version_(\d+)", p.name))]
+        n = max(taken, default=-1) + 1
+        while True:
+            try:
+                (root / f"version_{n}").mkdir()
+                return n
+            except FileExistsError:
+                n += 1  # another run took it a moment ago
+    except OSError as err:
+        raise UserError(f"{root}: cannot create the run folder ({err.strerror or err}); {hint}") from None
+
+
+def check_writable(folder: Path) -> None:
+    """The run's output folder exists (made if needed) and takes a file, or one line naming it."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"--trainer.default_root_dir={folder}: is a file; pass a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise UserError(
+            f"--trainer.default_root_dir={folder}: cannot write there ({err.strerror or err}); pass a writable folder"
+        ) from None
+
+
+def release_if_unused(folders: list[Path]) -> None:
+    """Remove claimed run folders that hold no checkpoint, no predictions and no logged step or score."""
+    for folder in folders:
+        if folder.is_dir() and not _worth_keeping(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+            if folder.parent.is_dir() and not any(folder.parent.iterdir()):
+                folder.parent.rmdir()
+
+
+def _worth_keeping(folder: Path) -> bool:
+    if any(folder.rglob("*.ckpt")) or (folder / "predictions.csv").exists():
+        return True
+    metrics = folder / "metrics.csv"
+    if not metrics.is_file():
+        return False
+    with metrics.open(newline="") as f:
+        header = next(csv.reader(f), [])
+        return any(c.startswith(KEEP_METRICS) for c in header) and next(f, None) is not None
