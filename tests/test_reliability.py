@@ -51,9 +51,9 @@ def fit(cwd: Path, data_dir, *args: str, timeout: float = 240) -> subprocess.Com
     )
 
 
-def signal_at_step(step: int, name: str, rank: int) -> str:
+def signal_at_step(step: int, name: str, rank: int, **more) -> str:
     spec = {"class_path": "tests.signal_at_step.SignalAtStep", "init_args": {"step": step, "signal_name": name}}
-    spec["init_args"]["rank"] = rank
+    spec["init_args"].update(rank=rank, **more)
     return "--trainer.callbacks+=" + json.dumps(spec)
 
 
@@ -153,6 +153,42 @@ def test_signal_mid_epoch_checkpoints_exits_and_resumes_bit_identical(
     assert {s: v for s, v in got["train/acc"].items() if s != 2 * STEPS_PER_EPOCH - 1} == {
         s: v for s, v in expected_metrics["train/acc"].items() if s != 2 * STEPS_PER_EPOCH - 1
     }
+
+
+@pytest.mark.parametrize(("strategy", "rank"), [("single", 0), ("ddp", 1)])
+def test_sigterm_in_validation_stops_within_two_batches_and_resumes_bit_identical(
+    strategy, rank, reference, workdir, data_dir
+):
+    """SIGTERM as the 2nd of 4 validation batches after epoch 1 starts: the run stops in that validation (not after
+    it), exits 143, and the resumed run validates epoch 1 in full and ends where an unbroken run does."""
+    end_of_epoch_1 = 2 * STEPS_PER_EPOCH
+    stopped = fit(
+        workdir, data_dir, *STRATEGIES[strategy], signal_at_step(end_of_epoch_1, "SIGTERM", rank, validation_batch=1)
+    )
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 143, output[-3000:]
+    assert "stopped in the validation after step 16" in output and "Traceback" not in output, output[-3000:]
+    [v0] = versions(workdir)
+    assert last_ckpt(v0)["global_step"] == end_of_epoch_1
+    assert "val/acc" not in metrics(v0) or end_of_epoch_1 - 1 not in metrics(v0)["val/acc"]  # epoch 1 not validated
+
+    resumed = fit(workdir, data_dir, *STRATEGIES[strategy], "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, expected_metrics = reference(strategy)
+    v0, v1 = versions(workdir)
+    assert_same_weights(last_ckpt(v1), expected)
+    got = metrics(v0, v1)
+    for key in ("train/loss", "val/acc", "val/loss"):
+        assert got[key] == expected_metrics[key], key  # epoch 1's validation included, over all its batches
+
+
+def test_a_second_sigterm_stops_at_once_and_keeps_the_last_checkpoint(workdir, data_dir):
+    stopped = fit(workdir, data_dir, signal_at_step(STEPS_PER_EPOCH + 2, "SIGTERM", 0, times=2))
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert "[rank 0] second SIGTERM: stopping now, without a checkpoint" in stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    [v0] = versions(workdir)
+    assert last_ckpt(v0)["global_step"] == STEPS_PER_EPOCH  # the end of epoch 0, whole
 
 
 def test_ckpt_path_last_with_no_run_yet_starts_fresh_in_process(workdir, data_dir, caplog):

@@ -6,13 +6,15 @@ handler broadcasts from inside the signal handler, which deadlocks when a rank o
 This callback replaces it for training:
 
 - The handler only records the signal (and prints one line); nothing runs inside it.
-- After each training step the ranks agree whether any of them got a signal: a one-number all-reduce on a gloo
-  group of its own, issued without waiting and read one step later, so it never stalls the GPU. All ranks
-  therefore stop after the same step, at most two steps after the signal.
+- After each training step and each validation batch the ranks agree whether any of them got a signal: a
+  one-number all-reduce on a gloo group of its own, issued without waiting and read one batch later, so it never
+  stalls the GPU. All ranks therefore stop after the same batch, at most two batches after the signal, in
+  training and in validation alike (a container gets 10 s between SIGTERM and SIGKILL, Kubernetes 30 s).
 - Then ``last.ckpt`` is written (atomically: :mod:`app.checkpoint_io`) with the loop and loader state, so
   ``python cli.py fit ... --ckpt_path last`` continues with the next batch, and every rank exits with
-  ``128 + signal`` (143 for SIGTERM, 130 for SIGINT).
-- A second Ctrl-C stops at once (KeyboardInterrupt), without a checkpoint.
+  ``128 + signal`` (143 for SIGTERM, 130 for SIGINT). A stop in validation keeps the weights of the last
+  training step, and the resumed run validates that epoch again from its first batch.
+- A second signal stops at once, without a checkpoint (same exit code).
 """
 
 from __future__ import annotations
@@ -43,11 +45,11 @@ def wait_for_local_ranks(trainer) -> None:
 
 
 class Preempted(SystemExit):
-    """Raised on every rank after the preemption checkpoint; exits the process with ``128 + signal``."""
+    """Raised on every rank after the preemption checkpoint (or at a second signal); exits with ``128 + signal``."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, checkpointed: bool = True) -> None:
         super().__init__(128 + signum)
-        self.signum = signum
+        self.signum, self.checkpointed = signum, checkpointed
 
 
 class Preemption(Callback):
@@ -62,6 +64,7 @@ class Preemption(Callback):
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self._previous: dict[int, object] = {}
         self._rank = 0
+        self._stopping_in_validation = False
 
     # ---------------------------------------------------------------- setup
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -73,14 +76,23 @@ class Preemption(Callback):
         if trainer.checkpoint_callback is None:
             rank_zero_info("Preemption: checkpointing is off, so a SIGTERM/SIGINT stops training without a checkpoint")
 
+    def on_sanity_check_start(self, trainer, pl_module) -> None:
+        self._install()
+
     def on_train_start(self, trainer, pl_module) -> None:
+        self._install()
+
+    def _install(self) -> None:
         # After Lightning registered its own SIGTERM handler (in Trainer._run); Lightning restores the originals.
-        for signum in self.signals:
-            self._previous[signum] = signal.signal(signum, self._handle)
+        if not self._previous:
+            for signum in self.signals:
+                self._previous[signum] = signal.signal(signum, self._handle)
 
     def _handle(self, signum: int, frame) -> None:
-        if self.received and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        if self.received:  # a second signal: stop now
+            name = signal.Signals(signum).name
+            os.write(2, f"[rank {self._rank}] second {name}: stopping now, without a checkpoint\n".encode())
+            raise Preempted(signum, checkpointed=False)
         if not self.received:
             self.received = signum
             name = signal.Signals(signum).name
@@ -129,6 +141,38 @@ class Preemption(Callback):
         )
         raise Preempted(signum)
 
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
+        if trainer.state.fn != "fit":
+            return
+        signum = self._agreed_signal(trainer)
+        if not signum:
+            return
+        self._collect()
+        if trainer.sanity_checking:  # before the first step: nothing to save
+            console_print(trainer, f"{signal.Signals(signum).name}: stopped before training. Exit code {128 + signum}.")
+            raise Preempted(signum, checkpointed=False)
+        self._stopping_in_validation = True
+        path = self._save(trainer)
+        console_print(
+            trainer,
+            f"{signal.Signals(signum).name}: stopped in the validation after step {trainer.global_step} (epoch "
+            f"{trainer.current_epoch}); saved {path}. Continue with the same command plus --ckpt_path last, which "
+            f"validates this epoch again. Exit code {128 + signum}.",
+        )
+        raise Preempted(signum)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        if not self._stopping_in_validation:
+            return
+        # Lightning 2.6 resumes a checkpoint taken in validation by "finishing" it: it counts the batches already
+        # done but restarts the loader, so it would validate the first batches only. These counters make it read
+        # as "restarted in validation, no batch done" (the pattern of EvaluationLoop.update_restart_stage), so the
+        # resumed run validates the epoch in full; test_reliability's validation-stop test fails if this changes.
+        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]
+        progress["total"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+        progress["current"] = {"ready": 0, "started": 0, "processed": 0, "completed": 0}
+        progress["is_last_batch"] = False
+
     def _save(self, trainer) -> Path | None:
         callback = trainer.checkpoint_callback
         if callback is None:
@@ -141,8 +185,8 @@ class Preemption(Callback):
         return Path(path)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if isinstance(exception, Preempted):
-            wait_for_local_ranks(trainer)
+        if isinstance(exception, Preempted) and exception.checkpointed:
+            wait_for_local_ranks(trainer)  # they stop after the same batch; at a second signal Lightning kills them
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._collect()  # the last step's reduction, issued by every rank
