@@ -24,7 +24,7 @@ from app.checkpoint_io import SafeCheckpointIO
 from app.data import FashionMNISTDataModule
 from app.errors import UserError
 from app.model import ARCH_KEYS, DEFAULT_SGD, ImageClassifier, check_compatible, load_checkpoint
-from app.run_dir import check_writable, claim_versions, is_first_process, release_if_unused
+from app.run_dir import check_writable, claim_versions, folder_logger_root, is_first_process, release_if_unused
 from app.strategies.launch import mpi_world_size
 
 # Added to every fit/validate/test/predict, beside the run's own callbacks (a YAML ``trainer.callbacks:`` list or
@@ -134,6 +134,8 @@ class Parser(LightningArgumentParser):
 class CLI(LightningCLI):
     def __init__(self, *args, **kwargs) -> None:
         self._claimed: list[Path] = []
+        self._args = kwargs.get("args")
+        self._optimizer_overrides: dict = {}
         try:
             super().__init__(*args, **kwargs)
         except BaseException as err:
@@ -225,20 +227,28 @@ class CLI(LightningCLI):
     # ``LightningCLI`` calls ``before_<subcommand>`` just before ``trainer.<subcommand>(ckpt_path=...)``.
     def before_fit(self) -> None:
         self._check_ckpt_path()
+        self.model.optimizer_overrides = self._optimizer_overrides
 
     before_validate = before_test = before_predict = before_fit
 
     def _parse_ckpt_path(self) -> None:
-        """Lightning's own step, made safe and strict.
+        """Lightning's own step, made safe, strict and explicit. One rule for every form of ``--ckpt_path``:
 
-        Lightning reads a ``--ckpt_path`` file's hyperparameters into the model's config before anything is built
-        (so ``test --ckpt_path X`` needs no model flags); it silently replaces a contradicting ``--model.arch``.
-        Here the file is loaded safely (``weights_only``; one-line errors for a missing, truncated, remote or
-        unsafe file), and a ``--model`` flag that contradicts the checkpoint is an error naming both values.
+        - the network (``--model.arch``, ``norm``, ``num_classes``) is the checkpoint's; giving one of them with
+          another value (on the command line or in a ``--config`` file) is an error naming both values;
+        - a training setting given explicitly (``--model.optimizer...``, ``--model.label_smoothing``, ...) wins over
+          the checkpoint's, with a one-line notice naming it; one not given is the checkpoint's;
+        - ``fit`` resumes the optimizer's state, with the optimizer arguments given explicitly (its lr, momentum,
+          ...) put over the restored ones (:meth:`ImageClassifier.on_load_checkpoint`).
+
+        The run's config.yaml records the values used. The file is loaded safely (``weights_only``; one-line errors
+        for a missing, truncated, remote or unsafe file).
         """
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if not ckpt_path or ckpt_path in ("last", "best", "hpc"):
+        if ckpt_path in ("last", "best"):
+            ckpt_path = resolve_last_or_best(ckpt_path, self.config[subcommand])
+        if not ckpt_path or ckpt_path == "hpc":
             return
         allow_remote = bool(self.config[subcommand].get("allow_remote_ckpt"))
         saved = dict(load_checkpoint(ckpt_path, allow_remote=allow_remote)["hyper_parameters"])
@@ -247,18 +257,33 @@ class CLI(LightningCLI):
         unknown = sorted(set(saved) - set(known))
         if unknown:
             raise UserError(f"{ckpt_path}: not a checkpoint of this model (unknown hyperparameters {unknown})")
+        explicit = self._explicit_model_settings(subcommand)
         given = self.config[subcommand].model
         for key in ARCH_KEYS:
-            if key in saved and given.get(key) not in (known[key].default, saved[key]):
+            if key in saved and key in explicit and given.get(key) != saved[key]:
                 raise UserError(
                     f"{ckpt_path} holds a network with --model.{key}={saved[key]}, but --model.{key}={given.get(key)} "
                     f"was given; drop the flag (the checkpoint's value is used) or pass another --ckpt_path"
                 )
-        # The network comes from the checkpoint; a training setting (optimizer, label smoothing, ...) given on the
-        # command line wins over the checkpoint's. A value equal to the default counts as not given.
-        defaults = self._subcommand_parsers[subcommand].get_defaults().model
-        taken = {k: v for k, v in saved.items() if k in ARCH_KEYS or given.get(k) == defaults.get(k)}
+        taken = {k: v for k, v in saved.items() if k in ARCH_KEYS or k not in explicit}
+        if subcommand == "fit" and "optimizer" in explicit:
+            self._optimizer_overrides = optimizer_overrides(explicit["optimizer"], saved.get("optimizer"), ckpt_path)
+            if isinstance(saved.get("optimizer"), dict):  # the restored optimizer, with the given arguments over it
+                init_args = {**saved["optimizer"].get("init_args", {}), **self._optimizer_overrides}
+                taken["optimizer"] = {**saved["optimizer"], "init_args": init_args}
+        notes = [
+            f"--model.{k}={explicit[k]}" for k in sorted(explicit) if k not in (*ARCH_KEYS, "optimizer") and k in saved
+        ]
+        notes += [f"--model.optimizer.{k}={v}" for k, v in self._optimizer_overrides.items()]
+        if notes:
+            rank_zero_info(f"--ckpt_path {ckpt_path}: the checkpoint's network and settings, except {', '.join(notes)}")
         self.config = self.parser.parse_object({subcommand: {"model": taken}}, self.config)
+
+    def _explicit_model_settings(self, subcommand: str) -> dict:
+        """The ``--model`` settings this command gives itself (flags and --config files), without the defaults."""
+        args = self._args if isinstance(self._args, list) else sys.argv[1:]
+        given = self.parser.parse_args(args, defaults=False)[subcommand].get("model")
+        return {k: _plain(v) for k, v in vars(given).items()} if given else {}
 
     def _check_ckpt_path(self) -> None:
         """Resolve ``--ckpt_path last`` and ``best`` ourselves, and refuse weights that do not fit, before any work.
@@ -315,12 +340,51 @@ def log_root(trainer) -> Path:
 
 def find_last_checkpoint(trainer) -> Path | None:
     """The newest ``last.ckpt`` of any earlier run (each run logs to its own ``version_N``), or None."""
-    candidates = list(log_root(trainer).glob("version_*/checkpoints/last.ckpt"))
-    candidates += list((Path(trainer.default_root_dir) / "checkpoints").glob("last.ckpt"))  # runs without a logger
-    for callback in trainer.checkpoint_callbacks:
-        if getattr(callback, "dirpath", None):  # a ModelCheckpoint with an explicit folder
-            candidates += list(Path(callback.dirpath).glob("last.ckpt"))
+    folders = [Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
+    return newest_last_ckpt(log_root(trainer), Path(trainer.default_root_dir), folders)
+
+
+def newest_last_ckpt(runs_root: Path, default_root: Path, folders: list[Path] = ()) -> Path | None:
+    candidates = list(runs_root.glob("version_*/checkpoints/last.ckpt"))
+    candidates += list((default_root / "checkpoints").glob("last.ckpt"))  # runs without a logger
+    for folder in folders:  # ModelCheckpoints with an explicit folder
+        candidates += list(folder.glob("last.ckpt"))
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def resolve_last_or_best(which: str, config) -> str | None:
+    """``--ckpt_path last``/``best`` from the parsed config, before anything is built (None: no such file yet)."""
+    root = Path(config.trainer.default_root_dir or ".")
+    loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
+    runs_root = root / "lightning_logs"
+    for logger in loggers:
+        if (folder := folder_logger_root(logger)) is not None:  # the default loggers' "." is default_root_dir
+            runs_root = root / folder if logger.init_args.get("save_dir") in (".", None) else folder
+            break
+    found = newest_last_ckpt(runs_root, root)
+    if found is not None and which == "best":
+        found = best_checkpoint_of(found)
+    return None if found is None else str(found)
+
+
+def _plain(value):
+    """A parsed value as plain data (jsonargparse Namespaces as dicts), to compare with a checkpoint's."""
+    if hasattr(value, "as_dict"):
+        return value.as_dict()
+    return value
+
+
+def optimizer_overrides(given: dict, saved: dict | None, ckpt_path) -> dict:
+    """The optimizer arguments given for a resumed ``fit`` (put over the restored param groups); a different
+    optimizer class is an error, since its restored state would not fit."""
+    given_class = given.get("class_path") if isinstance(given, dict) else None
+    saved_class = (saved or {}).get("class_path", "torch.optim.SGD") if isinstance(saved, dict) else None
+    if given_class and saved_class and given_class != saved_class:
+        raise UserError(
+            f"{ckpt_path} was trained with {saved_class}, but --model.optimizer={given_class} was given; fit resumes "
+            "the optimizer's state, so drop the flag (its arguments, such as --model.optimizer.lr, can change)"
+        )
+    return dict((given or {}).get("init_args") or {})
 
 
 def best_checkpoint_of(last: Path) -> Path | None:

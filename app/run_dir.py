@@ -35,7 +35,7 @@ def is_first_process() -> bool:
     return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
-def _folder_logger_root(logger) -> Path | None:
+def folder_logger_root(logger) -> Path | None:
     """``save_dir/name`` of a CSV or TensorBoard logger config whose version is left to pick, else None."""
     class_path = getattr(logger, "class_path", None)
     init_args = getattr(logger, "init_args", None)
@@ -57,7 +57,7 @@ def claim_versions(loggers: list) -> list[Path]:
     claimed: dict[Path, int] = {}
     first = is_first_process()
     for logger in loggers:
-        root = _folder_logger_root(logger)
+        root = folder_logger_root(logger)
         if root is None:
             continue
         if root not in claimed:

@@ -35,8 +35,7 @@ def test_a_diverging_run_stops_and_keeps_the_good_checkpoints(tmp_path, data_dir
     before = checkpoints(root)
     assert any(p.name == "last.ckpt" for p in before)
 
-    # A second run in the same root that diverges. (A resume would not: the optimizer state saved in the checkpoint,
-    # its lr included, is restored over --model.optimizer.lr.)
+    # A second, fresh run in the same root that diverges.
     bad = fit(cwd, root, data_dir, "--trainer.max_epochs=3", "--model.optimizer.lr=1e6")
     assert bad.returncode == 1, bad.stderr[-3000:]
     last_line = bad.stderr.strip().splitlines()[-1]

@@ -191,6 +191,32 @@ def test_a_second_sigterm_stops_at_once_and_keeps_the_last_checkpoint(workdir, d
     assert last_ckpt(v0)["global_step"] == STEPS_PER_EPOCH  # the end of epoch 0, whole
 
 
+def test_a_resume_uses_the_training_settings_given_and_records_them(workdir, data_dir):
+    """The network and unstated settings come from the checkpoint; a stated lr and label smoothing are used (the
+    restored optimizer state gets the new lr), named in one notice, and written to the run's config.yaml."""
+    first = fit(workdir, data_dir, "--trainer.max_epochs=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = fit(
+        workdir,
+        data_dir,
+        "--trainer.max_epochs=2",
+        "--ckpt_path=last",
+        "--model.optimizer.lr=0.01",
+        "--model.label_smoothing=0.1",
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "settings, except --model.label_smoothing=0.1, --model.optimizer.lr=0.01" in resumed.stderr
+    v0, v1 = versions(workdir)
+    assert set(metrics(v1)["lr-SGD"].values()) == {"0.01"}
+    config = yaml.safe_load((v1 / "config.yaml").read_text())["model"]
+    assert config["optimizer"]["init_args"]["lr"] == 0.01 and config["label_smoothing"] == 0.1
+    saved = yaml.safe_load((v0 / "config.yaml").read_text())["model"]["optimizer"]["init_args"]
+    assert {k: v for k, v in config["optimizer"]["init_args"].items() if k != "lr"} == {
+        k: v for k, v in saved.items() if k != "lr"
+    }
+    assert last_ckpt(v1)["optimizer_states"][0]["param_groups"][0]["lr"] == 0.01
+
+
 def test_ckpt_path_last_with_no_run_yet_starts_fresh_in_process(workdir, data_dir, caplog):
     with caplog.at_level("INFO"):
         run_cli("fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}", "--trainer.max_epochs=1")
@@ -388,6 +414,9 @@ BAD_INPUT = {
     "pickled object in checkpoint": (["--ckpt_path=pickled.ckpt"], "pickled.ckpt: refused: it holds pickled"),
     "other class count": (["--ckpt_path=other.ckpt"], "other.ckpt: its weights do not fit this network"),
     "contradicting flag": (["--ckpt_path=good.ckpt", "--model.num_classes=5"], "--model.num_classes=5 was given"),
+    "contradicting default": (["--ckpt_path=good.ckpt", "--model.arch=resnet18"], "--model.arch=resnet18 was given"),
+    "contradicting last": (["--ckpt_path=last", "--model.norm=group"], "--model.norm=group was given"),
+    "other optimizer": (["--ckpt_path=last", "--model.optimizer=AdamW"], "--model.optimizer=torch.optim.AdamW was"),
     "http checkpoint": (["--ckpt_path=https://example.com/x.ckpt"], "remote checkpoints are not loaded"),
     "empty checkpoint": (["--ckpt_path=empty.ckpt"], "empty.ckpt: an empty file (0 bytes)"),
     "weights-only checkpoint": (["--ckpt_path=weights.ckpt"], "weights.ckpt: holds the network's weights but no optim"),
