@@ -116,6 +116,10 @@ class ImageClassifier(LightningModule):
             self._compiled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            x.dtype != self.dtype and self.dtype == torch.float64
+        ):  # --trainer.precision=64-true: batches come as float32
+            x = x.to(self.dtype)
         if self.hparams.get("channels_last"):
             x = x.contiguous(memory_format=torch.channels_last)
         return self.net(x)

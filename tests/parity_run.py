@@ -11,7 +11,7 @@ import json
 from functools import partial
 
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 
 import app  # noqa: F401  (registers dp and horovod)
 from app.callbacks import ActivationCheckpointing, LRWarmup, SyncBatchNorm
@@ -31,12 +31,13 @@ def main() -> None:
     parser.add_argument("--compression", default=None)
     parser.add_argument("--norm", default="group")
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--precision", default="64-true", help="64-true: parity independent of summation order")
     parser.add_argument("--sync-bn", action="store_true", help="add the SyncBatchNorm callback")
     parser.add_argument("--checkpointing", action="store_true", help="add the ActivationCheckpointing callback")
     parser.add_argument("--warmup-steps", type=int, default=0, help="add LRWarmup (linear scaling rule) if > 0")
     args = parser.parse_args()
 
-    callbacks = []
+    callbacks = [SaveResult(args.out)]
     if args.sync_bn:
         callbacks.append(SyncBatchNorm())
     if args.checkpointing:
@@ -60,6 +61,7 @@ def main() -> None:
         strategy=strategy,
         max_steps=args.steps,
         accumulate_grad_batches=args.accumulate,
+        precision=args.precision,
         limit_val_batches=1.0,
         val_check_interval=args.steps * args.accumulate,
         num_sanity_val_steps=0,
@@ -70,10 +72,21 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, data)
-    if trainer.is_global_zero:
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        torch.save({"state_dict": model.state_dict(), "metrics": metrics, "global_step": trainer.global_step}, args.out)
-        print(json.dumps(metrics))
+
+
+class SaveResult(Callback):
+    """Rank 0 saves the trained weights where training ran: spawn-style launchers hand weights back to the parent
+    process in the parent's dtype (float32), which would round away the float64 run's precision."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+            state = {k: v.detach().cpu() for k, v in pl_module.state_dict().items()}
+            torch.save({"state_dict": state, "metrics": metrics, "global_step": trainer.global_step}, self.out)
+            print(json.dumps(metrics))
 
 
 if __name__ == "__main__":
