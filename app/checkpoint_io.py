@@ -75,9 +75,7 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
                 f"{path}: remote checkpoints are not loaded by default; download it and pass the local file, "
                 "or add --allow_remote_ckpt=true (it is still loaded with weights_only=True)"
             )
-        from lightning.fabric.utilities.cloud_io import _load
-
-        return _load(str(path), map_location=map_location, weights_only=True)
+        return torch.hub.load_state_dict_from_url(str(path), map_location=map_location, weights_only=True)
     path = Path(path)
     if path.is_dir():
         inside = sorted(path.rglob("*.ckpt"))

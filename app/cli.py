@@ -130,6 +130,14 @@ class Parser(LightningArgumentParser):
         prog = parser.prog.replace(" [options]", "")
         raise UserError(f"{line}; see: python {prog} --help")
 
+    def add_method_arguments(self, *args, **kwargs):
+        """The subcommands' arguments (``--ckpt_path`` among them, whose help is ours)."""
+        added = super().add_method_arguments(*args, **kwargs)
+        for action in self._actions:
+            if action.dest == "ckpt_path":
+                action.help = CKPT_PATH_HELP
+        return added
+
 
 class CLI(LightningCLI):
     def __init__(self, *args, **kwargs) -> None:
@@ -151,10 +159,6 @@ class CLI(LightningCLI):
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         self.parser.epilog = TOOLS_EPILOG  # plot and export are ours, dispatched in main()
-        for parser in getattr(self, "_subcommand_parsers", {}).values():
-            for action in parser._actions:
-                if action.dest == "ckpt_path":
-                    action.help = CKPT_PATH_HELP
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults(
@@ -231,7 +235,7 @@ class CLI(LightningCLI):
 
     before_validate = before_test = before_predict = before_fit
 
-    def _parse_ckpt_path(self) -> None:
+    def _parse_ckpt_path(self) -> None:  # LightningCLI's private step (app/lightning_internals.py, item 5)
         """Lightning's own step, made safe, strict and explicit. One rule for every form of ``--ckpt_path``:
 
         - the network (``--model.arch``, ``norm``, ``num_classes``) is the checkpoint's; giving one of them with

@@ -3,7 +3,6 @@
 import csv
 import math
 import os
-import socket
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch import nn
 
 from app.callbacks import ActivationCheckpointing, LRWarmup, SyncBatchNorm
@@ -26,12 +26,6 @@ from tests.parity import CASES, REFERENCE, TOLERANCE, buffer_error, relative_err
 
 
 # ================================================================================================ SyncBatchNorm
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sync_bn_worker(rank: int, world: int, port: int, x: torch.Tensor, g: torch.Tensor, sizes, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.manual_seed(0)
@@ -62,7 +56,7 @@ def test_allreduce_batchnorm_equals_one_process_on_the_whole_batch(tmp_path):
     torch.manual_seed(1)
     x, g = torch.randn(8, 3, 4, 4) * 2 + 1, torch.randn(8, 3, 4, 4)
     sizes = [5, 3]
-    mp.spawn(_sync_bn_worker, args=(2, _free_port(), x, g, sizes, str(tmp_path / "r")), nprocs=2)
+    mp.spawn(_sync_bn_worker, args=(2, find_free_network_port(), x, g, sizes, str(tmp_path / "r")), nprocs=2)
     ranks = [torch.load(tmp_path / f"r.{r}", weights_only=True) for r in range(2)]
 
     torch.manual_seed(0)

@@ -9,19 +9,14 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
+from app.lightning_internals import refresh_last_checkpoint
+
 
 class ModelCheckpoint(LightningModelCheckpoint):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         super().on_train_epoch_end(trainer, pl_module)
-        if self._should_save_on_train_epoch_end(trainer):
-            self._refresh_last(trainer)
+        refresh_last_checkpoint(self, trainer, at_train_epoch_end=True)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         super().on_validation_end(trainer, pl_module)
-        if not self._should_save_on_train_epoch_end(trainer):
-            self._refresh_last(trainer)
-
-    def _refresh_last(self, trainer) -> None:
-        # Skips sanity checking, fast_dev_run and a step already saved (so the top-k save is not repeated).
-        if self.save_last and not self._should_skip_saving_checkpoint(trainer):
-            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        refresh_last_checkpoint(self, trainer, at_train_epoch_end=False)

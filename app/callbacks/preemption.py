@@ -30,6 +30,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.callbacks.progress import console_print
+from app.lightning_internals import log_step_now
 
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
 
@@ -130,8 +131,7 @@ class Preemption(Callback):
         # hook logs this step's train/loss, then the values go to the loggers), so no logged value is lost. The
         # checkpoint is then taken where Lightning's own step checkpoints are (before the batch counts as completed).
         pl_module.on_train_batch_end(outputs, batch, batch_idx)
-        trainer._logger_connector.on_batch_end()
-        trainer._logger_connector.update_train_step_metrics()
+        log_step_now(trainer)
         path = self._save(trainer)
         name = signal.Signals(signum).name
         console_print(
@@ -177,8 +177,8 @@ class Preemption(Callback):
         callback = trainer.checkpoint_callback
         if callback is None:
             return None
-        monitor_candidates = callback._monitor_candidates(trainer)
-        path = callback.format_checkpoint_name(monitor_candidates, callback.CHECKPOINT_NAME_LAST)
+        metrics = dict(trainer.callback_metrics, epoch=trainer.current_epoch, step=trainer.global_step)
+        path = callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST)
         callback.last_model_path = path  # part of the checkpoint's callback state, as Lightning's save_last does
         # every rank calls it; rank 0 writes, then all wait at a barrier
         trainer.save_checkpoint(path, weights_only=False)

@@ -24,6 +24,7 @@ import signal
 import socket
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
@@ -37,12 +38,23 @@ EXIT_CODE = 1
 DONE = -(1 << 40)  # added to a rank's counter when it finishes
 
 
-def default_store():
-    """The store of the default process group (rendezvous), or None."""
-    get = getattr(dist.distributed_c10d, "_get_default_store", None)
+def rendezvous_store(trainer, timeout: float):
+    """A client of the store the process group met at (the cluster environment's main address and port), or None.
+
+    Every launcher here (Lightning's ddp and ddp_spawn, torchrun, the horovod strategy's ``tcp://`` init) forms the
+    group through a ``TCPStore`` at that address, hosted by rank 0 or torchrun's agent.
+    """
+    environment = getattr(trainer.strategy, "cluster_environment", None)
     try:
-        return get() if get is not None else None
-    except (RuntimeError, ValueError):
+        return dist.TCPStore(
+            environment.main_address,
+            environment.main_port,
+            is_master=False,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+    except (AttributeError, RuntimeError, ValueError, OSError, TypeError) as err:
+        rank_zero_debug(f"RankWatchdog: no rendezvous store ({err}); not watching")
         return None
 
 
@@ -161,7 +173,9 @@ class RankWatchdog(Callback):
         self._checkpointer = None
 
     def setup(self, trainer, pl_module, stage: str) -> None:
-        store = default_store() if trainer.world_size > 1 and dist.is_initialized() else None
+        if trainer.world_size == 1 or not dist.is_initialized():
+            return
+        store = rendezvous_store(trainer, self.timeout)
         if store is None:
             return
         self._children = list(getattr(trainer.strategy.launcher, "procs", []) or [])

@@ -29,6 +29,8 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from app.lightning_internals import drop_layer_sync
+
 
 class SyncBatchNorm(Callback):
     """Convert BatchNorm layers to synchronized BatchNorm for multi-process training (no-op on one process)."""
@@ -46,8 +48,7 @@ class SyncBatchNorm(Callback):
         if trainer.world_size == 1:
             rank_zero_info("SyncBatchNorm: one process, nothing to synchronize; BatchNorm layers left as they are.")
             return
-        # Lightning's ddp strategies would convert again, to torch.nn.SyncBatchNorm, if sync_batchnorm=True.
-        strategy._layer_sync = None
+        drop_layer_sync(strategy)  # with sync_batchnorm=True, ddp would convert again, to torch.nn.SyncBatchNorm
         layer, how = sync_batchnorm_class(strategy)
         count = convert_batchnorm(pl_module, layer)
         rank_zero_info(

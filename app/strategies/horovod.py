@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -189,12 +189,12 @@ class HorovodStrategy(ParallelStrategy):
             import horovod.torch as hvd
 
             hvd.init()
-        if not _distributed_is_initialized():
+        if not _group_ready():
             backend = "nccl" if self.root_device.type == "cuda" else "gloo"
             if self._launched:
                 address, port = self.cluster_environment.main_address, self.cluster_environment.main_port
             else:  # one process, no launcher: a group of one
-                address, port = "127.0.0.1", _free_port()
+                address, port = "127.0.0.1", find_free_network_port()
             dist.init_process_group(
                 backend,
                 init_method=f"tcp://{address}:{port}",
@@ -266,26 +266,34 @@ class HorovodStrategy(ParallelStrategy):
 
     # ---------------------------------------------------------------- collectives
     def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
+        if _group_ready():
             dist.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
+        if not _group_ready():
             return obj
         payload = [obj]
         dist.broadcast_object_list(payload, src=src)
         return payload[0]
 
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-        if not isinstance(tensor, Tensor) or not _distributed_is_initialized():
+        if not isinstance(tensor, Tensor) or not _group_ready():
             return tensor
-        from lightning.fabric.utilities.distributed import _sync_ddp
-
-        return _sync_ddp(tensor, group=group, reduce_op=reduce_op)
+        op = reduce_op.lower() if isinstance(reduce_op, str) else reduce_op
+        mean = op in ("mean", "avg", dist.ReduceOp.AVG)  # gloo has no AVG: sum, then divide
+        if mean or op is None:
+            op = dist.ReduceOp.SUM
+        elif isinstance(op, str):
+            op = getattr(dist.ReduceOp, op.upper())
+        dist.all_reduce(tensor, op=op, group=group)  # in place, as Lightning's strategies reduce
+        if not mean:
+            return tensor
+        size = dist.get_world_size(group)
+        return tensor.div_(size) if tensor.is_floating_point() else tensor.copy_(tensor // size)
 
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         """Every rank's ``tensor``, stacked along a new first dimension (as Lightning's strategies return it)."""
-        if not _distributed_is_initialized():
+        if not _group_ready():
             return tensor.unsqueeze(0)
         tensor = tensor.contiguous()
         if sync_grads:  # gradients flow back to every rank's input
@@ -301,7 +309,7 @@ class HorovodStrategy(ParallelStrategy):
             self._grad_sync.remove()
             self._grad_sync = None
         super().teardown()
-        if self._launched and _distributed_is_initialized():
+        if self._launched and _group_ready():
             dist.destroy_process_group()
 
 
@@ -374,9 +382,5 @@ class GradientAllreduce:
             hook.remove()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _group_ready() -> bool:
+    return dist.is_available() and dist.is_initialized()

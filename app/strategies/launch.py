@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
 from app.errors import UserError
+from app.lightning_internals import ResultsLauncher
 
 # (world size, rank, local rank, local size) variables of each launcher, most specific first.
 _LAUNCHER_VARS = (
@@ -172,7 +172,7 @@ def mpirun_command(num_processes: int) -> list[str]:
     return cmd + ["-x", "PYTHONPATH"]
 
 
-class MPIRunLauncher(_MultiProcessingLauncher):
+class MPIRunLauncher(ResultsLauncher):
     """Runs the trainer's function in ``mpirun -np N`` ranks and brings rank 0's results back, like ddp_spawn.
 
     The function, its arguments and the trainer are pickled to a private temporary folder (as ``mp.spawn`` pickles
@@ -233,7 +233,7 @@ class MPIRunLauncher(_MultiProcessingLauncher):
             shutil.rmtree(workdir, ignore_errors=True)
         if trainer is None:
             return worker_output
-        self._recover_results_in_main_process(worker_output, trainer)
+        self.recover_results(worker_output, trainer)
         return worker_output.trainer_results
 
     def run_in_rank(self, trainer, function: Callable, args: Any, kwargs: Any, result_path: str) -> None:
@@ -241,7 +241,7 @@ class MPIRunLauncher(_MultiProcessingLauncher):
         self._strategy.enter_mpi_launch()
         results = function(*args, **kwargs)
         if trainer is not None:
-            results = self._collect_rank_zero_results(trainer, results)
+            results = self.collect_rank_zero_results(trainer, results)
         if self._strategy.global_rank == 0:
             tmp = f"{result_path}.tmp"
             with open(tmp, "wb") as f:

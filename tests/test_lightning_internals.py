@@ -1,0 +1,83 @@
+"""The Lightning internals that app/lightning_internals.py uses still exist with the shape it uses.
+
+If one of these fails after a Lightning upgrade, the named helper there needs a new way to do its job.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import lightning
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
+from lightning.pytorch.strategies import Strategy
+
+from app.lightning_internals import ResultsLauncher, drop_layer_sync
+from tests.conftest import ROOT
+
+
+def parameters(function) -> list[str]:
+    return [p for p in inspect.signature(function).parameters if p != "self"]
+
+
+def test_written_against_lightning_2():
+    assert lightning.__version__.startswith("2."), (
+        f"app/lightning_internals.py was written for 2.6, not {lightning.__version__}"
+    )
+
+
+def test_launcher_protocol():
+    assert parameters(ResultsLauncher._collect_rank_zero_results) == ["trainer", "results"]
+    assert parameters(ResultsLauncher._recover_results_in_main_process) == ["worker_output", "trainer"]
+    assert "_configure_launcher" in vars(Strategy)
+    assert "self._launcher" in inspect.getsource(Strategy.launcher.fget)
+
+
+def test_logger_connector(tmp_path):
+    connector = Trainer(default_root_dir=tmp_path, logger=False)._logger_connector
+    assert parameters(connector.on_batch_end) == []
+    assert parameters(connector.update_train_step_metrics) == []
+
+
+def test_model_checkpoint_save_last():
+    assert parameters(ModelCheckpoint._should_save_on_train_epoch_end) == ["trainer"]
+    assert parameters(ModelCheckpoint._should_skip_saving_checkpoint) == ["trainer"]
+    assert parameters(ModelCheckpoint._save_last_checkpoint) == ["trainer", "monitor_candidates"]
+    assert parameters(ModelCheckpoint._monitor_candidates) == ["trainer"]
+
+
+def test_layer_sync(tmp_path):
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy="ddp", sync_batchnorm=True, logger=False
+    )
+    assert isinstance(trainer.strategy._layer_sync, TorchSyncBatchNorm)
+    drop_layer_sync(trainer.strategy)
+    assert trainer.strategy._layer_sync is None
+
+
+def test_cli_parse_ckpt_path_step():
+    source = inspect.getsource(LightningCLI.__init__)
+    order = [
+        source.find(step) for step in ("self.parse_arguments(", "self._parse_ckpt_path()", "self.before_instantiate")
+    ]
+    assert -1 not in order and order == sorted(order), "LightningCLI no longer reads ckpt_path hparams in __init__"
+
+
+PRIVATE = re.compile(
+    r"from lightning[\w.]* import .*\b_[A-Za-z]|lightning[\w.]*\._[a-z]"
+    r"|\b(trainer|strategy|callback|connector|launcher|pl_module)\._[a-z]"
+)
+
+
+def test_no_private_lightning_reach_elsewhere_in_app():
+    found = []
+    for path in sorted((ROOT / "app").rglob("*.py")):
+        if path.name == "lightning_internals.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if PRIVATE.search(line.split("#")[0]):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not found, "private Lightning internals outside app/lightning_internals.py:\n" + "\n".join(found)
