@@ -144,6 +144,7 @@ class CLI(LightningCLI):
         self._claimed: list[Path] = []
         self._args = kwargs.get("args")
         self._optimizer_overrides: dict = {}
+        self._loaded: dict[str, dict] = {}  # checkpoints read by the CLI's checks, each read once
         try:
             super().__init__(*args, **kwargs)
         except BaseException as err:
@@ -251,11 +252,11 @@ class CLI(LightningCLI):
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path in ("last", "best"):
-            ckpt_path = resolve_last_or_best(ckpt_path, self.config[subcommand])
+            ckpt_path = resolve_last_or_best(ckpt_path, self.config[subcommand], self._load)
         if not ckpt_path or ckpt_path == "hpc":
             return
         allow_remote = bool(self.config[subcommand].get("allow_remote_ckpt"))
-        saved = dict(load_checkpoint(ckpt_path, allow_remote=allow_remote)["hyper_parameters"])
+        saved = dict(self._load(ckpt_path, allow_remote)["hyper_parameters"])
         saved.pop("_instantiator", None)
         known = inspect.signature(ImageClassifier.__init__).parameters
         unknown = sorted(set(saved) - set(known))
@@ -283,6 +284,12 @@ class CLI(LightningCLI):
             rank_zero_info(f"--ckpt_path {ckpt_path}: the checkpoint's network and settings, except {', '.join(notes)}")
         self.config = self.parser.parse_object({subcommand: {"model": taken}}, self.config)
 
+    def _load(self, ckpt_path, allow_remote: bool = False) -> dict:
+        key = str(ckpt_path) if "://" in str(ckpt_path) else str(Path(ckpt_path).resolve())
+        if key not in self._loaded:
+            self._loaded[key] = load_checkpoint(ckpt_path, allow_remote=allow_remote)
+        return self._loaded[key]
+
     def _explicit_model_settings(self, subcommand: str) -> dict:
         """The ``--model`` settings this command gives itself (flags and --config files), without the defaults."""
         args = self._args if isinstance(self._args, list) else sys.argv[1:]
@@ -300,7 +307,7 @@ class CLI(LightningCLI):
         if given in ("last", "best"):
             found = find_last_checkpoint(self.trainer)
             if found is not None and given == "best":
-                found = best_checkpoint_of(found)
+                found = best_checkpoint_of(found, self._load)
             if found is None:
                 if given == "best" or self.subcommand != "fit":
                     what = "best checkpoint" if given == "best" else "last.ckpt"
@@ -314,7 +321,8 @@ class CLI(LightningCLI):
             config["ckpt_path"] = self.config[self.subcommand]["ckpt_path"] = ckpt_path
             return
         allow_remote = bool(self.config[self.subcommand].get("allow_remote_ckpt"))
-        checkpoint = load_checkpoint(ckpt_path, allow_remote=allow_remote)
+        checkpoint = self._load(ckpt_path, allow_remote)
+        self._loaded.clear()  # Lightning reads the file once more to restore from it: its fit() takes a path
         check_compatible(checkpoint, ckpt_path, self.model)
         if self.subcommand == "fit" and not checkpoint.get("optimizer_states"):
             raise UserError(
@@ -356,7 +364,7 @@ def newest_last_ckpt(runs_root: Path, default_root: Path, folders: list[Path] = 
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
 
 
-def resolve_last_or_best(which: str, config) -> str | None:
+def resolve_last_or_best(which: str, config, load=load_checkpoint) -> str | None:
     """``--ckpt_path last``/``best`` from the parsed config, before anything is built (None: no such file yet)."""
     root = Path(config.trainer.default_root_dir or ".")
     loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
@@ -367,7 +375,7 @@ def resolve_last_or_best(which: str, config) -> str | None:
             break
     found = newest_last_ckpt(runs_root, root)
     if found is not None and which == "best":
-        found = best_checkpoint_of(found)
+        found = best_checkpoint_of(found, load)
     return None if found is None else str(found)
 
 
@@ -391,9 +399,9 @@ def optimizer_overrides(given: dict, saved: dict | None, ckpt_path) -> dict:
     return dict((given or {}).get("init_args") or {})
 
 
-def best_checkpoint_of(last: Path) -> Path | None:
+def best_checkpoint_of(last: Path, load=load_checkpoint) -> Path | None:
     """The best checkpoint that the run which wrote ``last`` kept (its ModelCheckpoint's state says which)."""
-    states = load_checkpoint(str(last)).get("callbacks", {})
+    states = load(str(last)).get("callbacks", {})
     for key, state in states.items():
         best = state.get("best_model_path") if key.startswith("ModelCheckpoint") else None
         if best and Path(best).is_file():

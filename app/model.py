@@ -5,7 +5,7 @@ Metrics are updated (and ``train/loss`` logged) in the ``on_*_batch_end`` hooks,
 module with the whole batch's outputs; the metric objects are logged once, in ``on_*_epoch_end``. That keeps the
 module strategy-agnostic: under ``dp`` the steps run on replicas (one chunk each) whose state is thrown away, and
 the strategy combines their outputs before the hooks see them. Nothing here reads a device value on the host
-during a step (see the README's Performance section): on a GPU the next step is queued while this one computes.
+during a step (see docs/benchmarks.md): on a GPU the next step is queued while this one computes.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from app.checkpoint_io import safe_torch_load
 from app.errors import UserError
 from app.networks import Arch, Norm, build_resnet
+from app.strategies.dp import DataParallelStrategy
 
 # d2l trains ResNet-18 with plain SGD at lr 0.1 per 256 images; momentum, Nesterov and weight decay are the
 # usual ImageNet-recipe additions. ``cli.py`` shows these as the ``--model.optimizer`` default.
@@ -110,7 +111,7 @@ class ImageClassifier(LightningModule):
         if self.hparams.get("channels_last"):
             self.net.to(memory_format=torch.channels_last)
         if self.hparams.get("compile") and not getattr(self, "_compiled", False):
-            if getattr(self.trainer.strategy, "strategy_name", None) == "dp":
+            if isinstance(self.trainer.strategy, DataParallelStrategy):
                 raise UserError("--model.compile=true does not work with --trainer.strategy=dp; use ddp or one device")
             self.net.compile(mode=self.hparams.compile_mode)
             self._compiled = True

@@ -7,7 +7,7 @@ Each epoch prints one line, like d2l's::
 and the end of training prints a table with one row per device: steps, mean step time, images/s and peak memory
 (``torch.cuda.max_memory_allocated`` on GPUs, the process's peak resident memory on CPU). Under ``dp`` device 0
 holds the master weights and gathers every output, so its peak memory stands above the others'; under ``ddp`` the
-rows are even. That is the seeds' point about DataParallel, made visible.
+rows are even.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from app.callbacks.progress import console_print
+from app.strategies.dp import DataParallelStrategy
 
 _FIELDS = ("images", "seconds", "steps", "peak_bytes")
 
@@ -167,7 +168,7 @@ def _gather(local: torch.Tensor) -> torch.Tensor:
 def _devices(trainer: Trainer) -> list[torch.device]:
     """The devices this process drives: all of dp's, else the strategy's root device."""
     strategy = trainer.strategy
-    if getattr(strategy, "strategy_name", None) == "dp":
+    if isinstance(strategy, DataParallelStrategy):
         return list(strategy.parallel_devices)
     return [strategy.root_device]
 

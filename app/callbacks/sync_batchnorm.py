@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from app.lightning_internals import drop_layer_sync
+from app.strategies.dp import DataParallelStrategy
 
 
 class SyncBatchNorm(Callback):
@@ -39,7 +40,7 @@ class SyncBatchNorm(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if getattr(strategy, "strategy_name", None) == "dp":
+        if isinstance(strategy, DataParallelStrategy):
             rank_zero_warn(
                 "SyncBatchNorm: strategy=dp runs its replicas in one process and cannot synchronize BatchNorm across "
                 "them; each device normalises its own chunk. Use --trainer.strategy=ddp for synchronized BN."

@@ -19,7 +19,7 @@ statistics (it shares the root module's buffers).
 On CPU (``--trainer.accelerator=cpu --trainer.devices=N``) the same split / per-chunk step / combine path runs
 sequentially on the one CPU module, with the same BatchNorm bookkeeping, so the logic is tested without GPUs.
 
-The costs the seeds describe hold here too: one Python process (the GIL) feeds every device, and device 0 does
+DataParallel's costs hold here too: one Python process (the GIL) feeds every device, and device 0 does
 extra work (gathering outputs, the optimizer step, holding the master weights). Use ``ddp`` to scale; ``dp`` is
 for one machine when a single-process workflow matters more than speed.
 """
