@@ -1,13 +1,9 @@
 """Fashion-MNIST as a LightningDataModule: uint8 tensors in memory, one indexing op per batch, work on the device.
 
-Sources (``--data.source``):
-
-- ``fashion_mnist``: the real files in ``<data_dir>/FashionMNIST/raw/`` (torchvision's layout), downloaded by
-  torchvision when missing; the ``.gz`` files are checked against torchvision's known MD5 sums.
-- ``synthetic``: a deterministic stand-in (:mod:`app.synthetic`) written as the same IDX files to
-  ``<data_dir>/FashionMNIST-synthetic/raw/`` and read back by the same code.
-- ``auto`` (default): real files if present, else try to download them, else the synthetic stand-in with a
-  loud warning. The resolved source is stored in the hyperparameters as ``resolved_source``.
+This module is what Lightning and the CLI see (``class_path: app.data.FashionMNISTDataModule``): the datasets,
+the train/val split, the loaders and the on-device transforms. The files behind them (``--data.source``, download,
+MD5 checks, the synthetic stand-in) are :mod:`app.datafiles`; users' own images for ``predict`` are
+:mod:`app.image_folder`. The resolved source is stored in the hyperparameters as ``resolved_source``.
 
 Batches leave the loader as ``(uint8 images [B, 28, 28], int64 labels [B])``; conversion to float,
 normalisation and augmentation happen on the training device in :meth:`on_after_batch_transfer`.
@@ -15,37 +11,24 @@ normalisation and augmentation happen on the training device in :meth:`on_after_
 
 from __future__ import annotations
 
-import re
-import socket
 from pathlib import Path
-from typing import Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
-from torchvision.datasets import FashionMNIST
 
-from app import synthetic
 from app.augment import normalize, random_crop_flip
+from app.datafiles import CLASSES, SPLITS, FashionMNISTFiles, Source, download
 from app.errors import UserError
-from app.idx import DataFileError, atomic_write_bytes, md5sum, read_idx, write_idx
+from app.image_folder import Invert, load_image_folder
 from app.loader import ResumableLoader, ResumableSampler
 
-Source = Literal["auto", "fashion_mnist", "synthetic"]
-Invert = Literal["auto", "always", "never"]
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+# CLASSES and SPLITS are defined in app.datafiles; app.export and the prediction writer import CLASSES from here.
+__all__ = ["CLASSES", "MEAN", "SPLITS", "STD", "FashionMNISTDataModule", "TensorImageDataset", "keep_batch"]
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training-set pixel statistics, on the [0, 1] scale
-CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot")
-SPLITS = {  # split -> (images file, labels file, number of samples)
-    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", 60_000),
-    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte", 10_000),
-}
-KNOWN_MD5 = dict(FashionMNIST.resources)  # {"train-images-idx3-ubyte.gz": "8d4f...", ...}
-SYNTHETIC_SEED = 0
-SYNTHETIC_STAMP = "GENERATOR"  # beside the synthetic files: which app.synthetic version wrote them
 
 
 class TensorImageDataset(Dataset):
@@ -86,7 +69,7 @@ class FashionMNISTDataModule(LightningDataModule):
         """
         Args:
             data_dir: Folder holding ``FashionMNIST/raw/`` (real) and ``FashionMNIST-synthetic/raw/`` files.
-            source: ``auto``, ``fashion_mnist`` or ``synthetic`` (see the module docstring).
+            source: ``auto``, ``fashion_mnist`` or ``synthetic`` (see the docstring of app/datafiles.py).
             batch_size: Samples per device and step, for every strategy. The global batch is
                 batch_size x devices x nodes (x accumulate_grad_batches per optimizer step); ``dp`` loads
                 batch_size x devices per step and splits it across its devices.
@@ -117,64 +100,22 @@ class FashionMNISTDataModule(LightningDataModule):
         self._loaded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.predict_names: list[str] = []  # what each predicted sample is: a file name, or "test[i]"
 
-    # ------------------------------------------------------------------ files
+    # ------------------------------------------------------------------ files (app.datafiles)
+    @property
+    def files(self) -> FashionMNISTFiles:
+        return FashionMNISTFiles(self.data_dir, self.hparams.source)
+
     @property
     def real_dir(self) -> Path:
-        return self.data_dir / "FashionMNIST" / "raw"
+        return self.files.real_dir
 
     @property
     def synthetic_dir(self) -> Path:
-        return self.data_dir / "FashionMNIST-synthetic" / "raw"
-
-    def _real_present(self) -> bool:
-        return all(
-            (self.real_dir / name).exists() or (self.real_dir / f"{name}.gz").exists()
-            for images, labels, _ in SPLITS.values()
-            for name in (images, labels)
-        )
+        return self.files.synthetic_dir
 
     def _download(self) -> None:
-        old_timeout = socket.getdefaulttimeout()
-        socket.setdefaulttimeout(30)
-        try:
-            for train in (True, False):
-                FashionMNIST(self.data_dir, train=train, download=True)
-        finally:
-            socket.setdefaulttimeout(old_timeout)
-
-    def _write_synthetic(self) -> None:
-        """Write the stand-in's files, unless this generator's version already wrote them (its stamp says so).
-
-        Both splits come from one seed, so the test split holds new samples of the training split's classes.
-        Files without the stamp, or with an older one, are written again: an older generator made the test
-        split from other classes.
-        """
-        stamp = self.synthetic_dir / SYNTHETIC_STAMP
-        expected = f"app.synthetic version {synthetic.VERSION}, seed {SYNTHETIC_SEED}\n"
-        files = [self.synthetic_dir / name for images, labels, _ in SPLITS.values() for name in (images, labels)]
-        if stamp.is_file() and stamp.read_text() == expected and all(f.exists() for f in files):
-            return
-        if any(f.exists() for f in files):
-            rank_zero_info(
-                f"{self.synthetic_dir}: synthetic files from an older version of app/synthetic.py; writing them again"
-            )
-        try:
-            for images_file, labels_file, count in SPLITS.values():
-                images, labels = synthetic.generate(count, seed=SYNTHETIC_SEED)
-                write_idx(self.synthetic_dir / images_file, images)
-                write_idx(self.synthetic_dir / labels_file, labels)
-            atomic_write_bytes(stamp, expected.encode())  # last: a stamp vouches for finished files only
-        except OSError as err:
-            blocking = next((p for p in [self.synthetic_dir, *self.synthetic_dir.parents] if p.is_file()), None)
-            if blocking is not None:
-                raise DataFileError(
-                    f"--data.data_dir={self.data_dir}: {blocking} is a file where a folder belongs; move it away or "
-                    "pass another --data.data_dir"
-                ) from None
-            raise DataFileError(
-                f"{self.synthetic_dir}: cannot write the synthetic files ({err.strerror}); make the folder writable "
-                "or pass another --data.data_dir"
-            ) from None
+        """torchvision's download; a method of the module so that a test can make it fail (no network)."""
+        download(self.data_dir)
 
     def prepare_data(self) -> None:
         """Runs once per node (local rank 0): fetch the files, then read and check both splits.
@@ -182,84 +123,30 @@ class FashionMNISTDataModule(LightningDataModule):
         Checking here, before Lightning makes the run's log folder, means a bad file stops the run with nothing
         written. The tensors are kept for :meth:`setup` in this process.
         """
-        self._fetch_files()
+        self.files.fetch(download=self._download)
         self._loaded = {split: self.load_split(split) for split in SPLITS}
         self._check_train_size(len(self._loaded["train"][1]))
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_loaded": {}}  # spawned/MPI ranks read the files themselves
 
-    def _fetch_files(self) -> None:
-        """Download the real files, or write the synthetic ones."""
-        source = self.hparams.source
-        if source == "synthetic":
-            self._write_synthetic()
-            return
-        if self._real_present():
-            return
-        try:
-            self._download()
-        except Exception as err:  # torchvision raises RuntimeError/URLError/OSError; each means "no files"
-            if source == "fashion_mnist":
-                reason = re.sub(r"\s*Tried \S+ got:\s*", " ", " ".join(str(err).split()))  # torchvision: 3 lines
-                raise DataFileError(
-                    f"--data.source=fashion_mnist: the Fashion-MNIST files are not in {self.real_dir} and the "
-                    f"download failed ({reason}); put the four files there (as .gz or extracted), or use "
-                    "--data.source=synthetic to run on the offline stand-in"
-                ) from None
-            rank_zero_warn(
-                "\n" + "!" * 100 + f"\n  Fashion-MNIST is not in {self.real_dir} and could not be downloaded "
-                f"({type(err).__name__}).\n  Training on the SYNTHETIC stand-in instead (--data.source=auto). "
-                "Its accuracy says nothing about Fashion-MNIST.\n" + "!" * 100
-            )
-            self._write_synthetic()
-
     def _check_train_size(self, loaded: int) -> None:
         """Validation takes ``val_size`` of the training files; training needs at least one sample left."""
         if loaded <= self.hparams.val_size:
-            folder = self.synthetic_dir if self.resolve_source() == "synthetic" else self.real_dir
+            folder = self.files.folder()
             raise UserError(
                 f"--data.val_size={self.hparams.val_size}: the training files in {folder} hold only {loaded} "
                 "samples; pass a smaller --data.val_size, or check the files"
             )
 
     def resolve_source(self) -> str:
-        if self.hparams.source != "auto":
-            return self.hparams.source
-        return "fashion_mnist" if self._real_present() else "synthetic"
+        return self.files.resolve_source()
 
     def load_split(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Read and validate one split of the resolved source: ``(uint8 images [N,28,28], int64 labels [N])``."""
         if split in self._loaded:
             return self._loaded.pop(split)
-        source = self.resolve_source()
-        folder = self.real_dir if source == "fashion_mnist" else self.synthetic_dir
-        images_file, labels_file, count = SPLITS[split]
-        images = read_idx(self._pick(folder, images_file, verify=source == "fashion_mnist"), ndim=3)
-        labels = read_idx(self._pick(folder, labels_file, verify=source == "fashion_mnist"), ndim=1)
-        where = folder / images_file
-        if tuple(images.shape[1:]) != (28, 28):
-            raise DataFileError(f"{where}: images are {tuple(images.shape[1:])}, expected 28x28")
-        if len(images) != len(labels):
-            raise DataFileError(f"{where}: {len(images)} images but {len(labels)} labels in {labels_file}")
-        if source == "fashion_mnist" and len(images) != count:
-            raise DataFileError(f"{where}: {len(images)} samples, Fashion-MNIST's {split} split has {count}")
-        if len(labels) and int(labels.max()) >= len(CLASSES):
-            raise DataFileError(f"{folder / labels_file}: label {int(labels.max())} out of range 0..{len(CLASSES) - 1}")
-        return images, labels.long()
-
-    @staticmethod
-    def _pick(folder: Path, name: str, verify: bool) -> Path:
-        """Prefer the ``.gz`` as distributed (and check its MD5), else the extracted file."""
-        gz = folder / f"{name}.gz"
-        if gz.exists():
-            if verify and md5sum(gz) != KNOWN_MD5[gz.name]:
-                raise DataFileError(
-                    f"{gz}: MD5 checksum mismatch (expected {KNOWN_MD5[gz.name]}): the file is corrupt or not "
-                    "Fashion-MNIST; delete it (and its extracted copy) and download it again"
-                )
-            return gz
-        return folder / name
+        return self.files.read_split(split)
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, stage: str) -> None:
@@ -354,33 +241,3 @@ class FashionMNISTDataModule(LightningDataModule):
             generator = torch.Generator().manual_seed(self.train_loader.batch_seed())
             images = random_crop_flip(images, padding=4, generator=generator)
         return normalize(images, MEAN, STD), labels
-
-
-def load_image_folder(folder: str | Path, invert: Invert = "auto") -> tuple[torch.Tensor, list[str]]:
-    """The PNG/JPEG images of ``folder`` (sorted by name) as uint8 ``[N, 28, 28]`` in Fashion-MNIST's polarity."""
-    from torchvision.io import ImageReadMode, decode_image
-    from torchvision.transforms.v2.functional import resize, to_dtype
-
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise UserError(f"--data.predict_dir={str(folder)!r} is not a folder; give a folder of .png/.jpg images")
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
-    if not files:
-        raise UserError(f"--data.predict_dir={str(folder)!r} holds no .png/.jpg/.jpeg images")
-    images = []
-    for path in files:
-        try:
-            image = decode_image(str(path), mode=ImageReadMode.GRAY)  # [1, H, W], uint8 (uint16 for 16-bit PNGs)
-        except RuntimeError as err:
-            raise UserError(f"{path}: not a readable image ({err}); remove it from --data.predict_dir") from None
-        image = to_dtype(image, torch.uint8, scale=True)
-        image = resize(image, [28, 28], antialias=True)[0]
-        if invert == "always" or (invert == "auto" and _border_is_lighter(image)):
-            image = 255 - image
-        images.append(image)
-    return torch.stack(images), [p.name for p in files]
-
-
-def _border_is_lighter(image: torch.Tensor) -> bool:
-    border = torch.cat([image[0], image[-1], image[:, 0], image[:, -1]]).float().mean()
-    return bool(border > image[7:21, 7:21].float().mean())

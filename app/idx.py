@@ -3,12 +3,14 @@
 An IDX file is a 4-byte magic number ``0x00 0x00 <dtype> <ndim>``, then ``ndim`` big-endian uint32 sizes, then
 the data in C order. Fashion-MNIST uses dtype 0x08 (unsigned byte): images are ``(N, 28, 28)`` (magic 0x803),
 labels ``(N,)`` (magic 0x801). Files may be gzip-compressed (``.gz``), as they are distributed.
+
+MD5 sums are torchvision's (``torchvision.datasets.utils.check_integrity``, used by :mod:`app.datafiles`).
+torchvision has no IDX writer, hence :func:`write_idx` for the synthetic stand-in.
 """
 
 from __future__ import annotations
 
 import gzip
-import hashlib
 import math
 import os
 import struct
@@ -28,6 +30,7 @@ class DataFileError(UserError):
 
 def read_idx(path: str | os.PathLike, ndim: int | None = None) -> torch.Tensor:
     """Read a uint8 IDX file (plain or ``.gz``) into a tensor, checking magic number, sizes and length."""
+    # Not torchvision's read_image_file: it reads no .gz, and a bad file is a bare assert or shape error, no file name.
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -91,7 +94,3 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def md5sum(path: str | os.PathLike) -> str:
-    return hashlib.md5(Path(path).read_bytes(), usedforsecurity=False).hexdigest()

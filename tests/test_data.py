@@ -5,7 +5,8 @@ import torch
 
 from app import synthetic
 from app.augment import random_crop_flip
-from app.data import SPLITS, FashionMNISTDataModule, TensorImageDataset, keep_batch
+from app.data import FashionMNISTDataModule, TensorImageDataset, keep_batch
+from app.datafiles import SPLITS
 from app.idx import DataFileError, read_idx, write_idx
 
 
