@@ -1,13 +1,15 @@
 # Two commands do everything on a fresh machine with Python >= 3.10:
 #   make train   creates .venv, installs the project, trains with $(CONFIG)
 #   make test    creates .venv, installs the project with its dev extras, runs the whole suite
+#   make test-fast   the inner loop: the suite without the tests marked slow (multi-process or multi-epoch runs)
 PYTHON ?= python3
 VENV ?= .venv
 CONFIG ?= configs/quickstart.yaml
 ARGS ?=
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 
-.PHONY: train test lint format clean
+.PHONY: train test test-fast lint format clean
 
 $(BIN)/python:
 	$(PYTHON) -c 'import sys; sys.exit("Python >= 3.10 is required, found " + sys.version.split()[0]) if sys.version_info < (3, 10) else None'
@@ -25,8 +27,13 @@ $(VENV)/.installed-dev: $(BIN)/python setup.cfg pyproject.toml
 train: $(VENV)/.installed
 	$(BIN)/python cli.py fit --config $(CONFIG) $(ARGS)
 
+# Independent tests run side by side in $(TEST_WORKERS) pytest-xdist workers; tests that share cached training
+# runs stay on one worker (tests/conftest.py). TEST_WORKERS=0 runs everything in one process.
 test: $(VENV)/.installed-dev
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(ARGS)
+
+test-fast: $(VENV)/.installed-dev
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check app tests bench cli.py

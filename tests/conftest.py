@@ -62,3 +62,15 @@ def run_cli(*args: str) -> None:
 
 def python() -> str:
     return sys.executable
+
+
+SHARED_RUNS = ("parity", "reference")  # fixtures that cache training runs for the whole session / module
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n``), the tests that share cached runs go to one worker each, so a run is made once."""
+    for item in items:
+        for name in SHARED_RUNS:
+            if name in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.xdist_group(name))
+                break

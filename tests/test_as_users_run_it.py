@@ -2,6 +2,7 @@
 user's own script, Lightning's standard switches beside ours, a terminal read off the screen, stderr read for noise.
 """
 
+import contextlib
 import fcntl
 import json
 import os
@@ -283,14 +284,13 @@ def test_stopping_a_self_launched_horovod_run_leaves_no_rank_behind(signum, tmp_
         data_dir, f"--trainer.default_root_dir={root}", "--trainer.strategy=horovod", "--trainer.devices=2",
         "--trainer.max_epochs=1000", "--trainer.enable_progress_bar=true",
     )  # fmt: skip
-    before = set(Path(tempfile_dir()).glob("horovod-launch-*"))
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, **MPI_ENV}, stdout=out, stderr=out)
     try:
         last = root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
         wait_for(lambda: last.exists() or process.poll() is not None, 240, "the first epoch's checkpoint")
         assert process.poll() is None, log.read_text()[-3000:]
-        launches = set(Path(tempfile_dir()).glob("horovod-launch-*")) - before
+        launches = launch_folders_of(process.pid)  # other tests may be launching at the same time
         assert len(launches) == 1
         (launch,) = launches
         assert len(rank_processes(str(launch))) >= 2
@@ -313,6 +313,16 @@ def test_stopping_a_self_launched_horovod_run_leaves_no_rank_behind(signum, tmp_
         assert last.stat().st_mtime_ns > stamp  # the stop's own checkpoint
     else:
         assert code == -signal.SIGKILL
+
+
+def launch_folders_of(pid: int) -> list[Path]:
+    """The self-launch folders (app.strategies.launch) of the launcher process ``pid``."""
+    found = []
+    for folder in Path(tempfile_dir()).glob("horovod-launch-*"):
+        with contextlib.suppress(OSError):
+            if (folder / "launcher.pid").read_text() == str(pid):
+                found.append(folder)
+    return found
 
 
 def tempfile_dir() -> str:
