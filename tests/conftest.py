@@ -64,7 +64,7 @@ def python() -> str:
     return sys.executable
 
 
-SHARED_RUNS = ("parity", "reference")  # fixtures that cache training runs for the whole session / module
+SHARED_RUNS = ("parity", "reference", "bad_input_dir", "run_dir")  # fixtures that cache training runs
 
 
 def pytest_collection_modifyitems(config, items):

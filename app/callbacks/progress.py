@@ -48,7 +48,8 @@ class ProgressBar(RichProgressBar):
 
     Args:
         refresh_seconds: Least time between two redraws. 0 redraws after every batch, as Lightning does.
-        show: Logged values to show besides those logged with ``prog_bar=True``; read only when the bar redraws.
+        show: Values to show besides those logged with ``prog_bar=True``, read only when the bar redraws: from the
+            module's ``step_values`` dict (the latest training step's values) when it has them, else logged ones.
         **kwargs: ``RichProgressBar``'s arguments (``leave``, ``theme``, ``console_kwargs``, ...).
     """
 
@@ -63,10 +64,14 @@ class ProgressBar(RichProgressBar):
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)  # the version folder: printed once at the start, not worth a place on the bar
+        # The module's latest step values first (ImageClassifier keeps them every step but logs them only at the
+        # steps where they are written or read), then what was logged.
+        latest = getattr(pl_module, "step_values", None) or {}
         logged = trainer.callback_metrics
         for name in self.show:
-            if name in logged and name not in items:
-                items[name] = float(logged[name])  # the one read of the device per redraw
+            value = latest.get(name, logged.get(name))
+            if value is not None and name not in items:
+                items[name] = float(value)  # the one read of the device per redraw
         return items
 
     def _due(self, batch_idx: int, total: float) -> bool:
