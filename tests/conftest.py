@@ -1,5 +1,7 @@
+import fcntl
 import os
 import sys
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -39,16 +41,38 @@ def _restore_torch_state():
         torch.distributed.destroy_process_group()
 
 
+def shared_dir(tmp_path_factory) -> Path:
+    """A folder of this test session that every pytest-xdist worker sees (the workers' own are inside it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
+@contextmanager
+def made_once(path: Path):
+    """``with made_once(folder) as make:``: ``make`` is True in the one process (of all xdist workers) that must
+    make ``folder``; the others wait until it is made, then get False and reuse it. A failed make is retried."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{path}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = Path(f"{path}.done")
+        make = not done.exists()
+        yield make
+        if make:
+            done.touch()
+
+
 @pytest.fixture(scope="session")
 def parity(tmp_path_factory, data_dir):
-    """``parity(name, *args, mpirun=0)``: the saved result of one ``tests/parity_run.py`` run, made once a session."""
+    """``parity(name, *args, mpirun=0)``: the saved result of one ``tests/parity_run.py`` run, made once a session
+    (once for all xdist workers: tests that share a run may run side by side)."""
     from tests.parity import run_parity
 
-    out_dir = tmp_path_factory.mktemp("parity")
+    out_dir = shared_dir(tmp_path_factory) / "parity"
 
     @cache
     def get(name: str, *args: str, mpirun: int = 0) -> dict:
-        return run_parity(out_dir, data_dir, name, *args, mpirun=mpirun)
+        with made_once(out_dir / name):
+            return run_parity(out_dir, data_dir, name, *args, mpirun=mpirun)
 
     return get
 
@@ -64,11 +88,11 @@ def python() -> str:
     return sys.executable
 
 
-SHARED_RUNS = ("parity", "reference", "bad_input_dir", "run_dir")  # fixtures that cache training runs
+SHARED_RUNS = ("bad_input_dir", "run_dir")  # module fixtures whose tests change or read one folder
 
 
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n``), the tests that share cached runs go to one worker each, so a run is made once."""
+    """Under pytest-xdist (``-n``), the tests of one such fixture go to one worker, so its run is made once."""
     for item in items:
         for name in SHARED_RUNS:
             if name in getattr(item, "fixturenames", ()):

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import yaml
 from app.checkpoint_io import atomic_torch_save, safe_torch_load
 from app.errors import UserError
 from app.model import load_checkpoint
-from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
+from tests.conftest import CPU_TEST_CONFIG, ROOT, made_once, run_cli, shared_dir
 
 pytestmark = pytest.mark.slow
 
@@ -85,13 +86,17 @@ def assert_same_weights(a: dict, b: dict) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_dir):
-    """The uninterrupted run of each strategy: ``(last.ckpt, metrics)``."""
+    """The uninterrupted run of each strategy: ``(last.ckpt, metrics)``, made once for all xdist workers."""
 
     @cache
     def get(strategy: str):
-        cwd = tmp_path_factory.mktemp(f"reference-{strategy}")
-        result = fit(cwd, data_dir, *STRATEGIES[strategy])
-        assert result.returncode == 0, result.stderr[-3000:]
+        cwd = shared_dir(tmp_path_factory) / f"reference-{strategy}"
+        with made_once(cwd) as make:
+            if make:
+                shutil.rmtree(cwd, ignore_errors=True)  # what a failed attempt left
+                cwd.mkdir()
+                result = fit(cwd, data_dir, *STRATEGIES[strategy])
+                assert result.returncode == 0, result.stderr[-3000:]
         [version] = versions(cwd)
         return last_ckpt(version), metrics(version)
 
@@ -437,8 +442,6 @@ BAD_INPUT = {
 @pytest.fixture(scope="module")
 def bad_input_dir(tmp_path_factory, data_dir):
     """A folder with an earlier run (its last.ckpt and metrics.csv must survive) and one broken thing per case."""
-    import shutil
-
     cwd = tmp_path_factory.mktemp("bad-input")
     result = fit(cwd, data_dir, "--trainer.max_epochs=1")
     assert result.returncode == 0, result.stderr[-3000:]
