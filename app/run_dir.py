@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_info
 
 from app.errors import UserError
 from app.strategies.launch import launcher_ranks
@@ -36,10 +37,11 @@ def is_first_process() -> bool:
 
 
 def folder_logger_root(logger) -> Path | None:
-    """``save_dir/name`` of a CSV or TensorBoard logger config whose version is left to pick, else None."""
+    """``save_dir/name`` of a CSV or TensorBoard logger config whose version is left to pick, or names the folder
+    of an earlier run (a run's config.yaml records its version), else None."""
     class_path = getattr(logger, "class_path", None)
     init_args = getattr(logger, "init_args", None)
-    if not class_path or init_args is None or init_args.get("version") is not None:
+    if not class_path or init_args is None:
         return None
     module, _, name = class_path.rpartition(".")
     try:
@@ -49,12 +51,23 @@ def folder_logger_root(logger) -> Path | None:
     if not (isinstance(cls, type) and issubclass(cls, CSVLogger | TensorBoardLogger)):
         return None
     folder = init_args.get("name", "lightning_logs")
-    return Path(init_args.get("save_dir") or ".") / (folder or "")
+    root = Path(init_args.get("save_dir") or ".") / (folder or "")
+    version = init_args.get("version")
+    if version is not None and not earlier_run(root, version):
+        return None  # a new folder of the user's naming
+    return root
+
+
+def earlier_run(root: Path, version) -> Path | None:
+    """The folder a logger's ``version`` names, if it holds anything (Lightning would delete its logs)."""
+    folder = root / (version if isinstance(version, str) else f"version_{version}")
+    return folder if folder.is_dir() and any(folder.iterdir()) else None
 
 
 def claim_versions(loggers: list) -> list[Path]:
     """Give each folder-writing logger config (version unset) a claimed ``version_N``; returns the claimed folders."""
     claimed: dict[Path, int] = {}
+    told: set[Path] = set()
     first = is_first_process()
     for logger in loggers:
         root = folder_logger_root(logger)
@@ -68,6 +81,13 @@ def claim_versions(loggers: list) -> list[Path]:
                 claimed[root] = int(os.environ[VERSION_ENV])
             else:
                 continue  # a rank started by an outside launcher: it never writes the run folder
+        pinned = logger.init_args.get("version")
+        if first and pinned is not None and pinned != claimed[root] and root not in told:
+            told.add(root)
+            rank_zero_info(
+                f"{earlier_run(root, pinned)} holds an earlier run (its config.yaml names it): this run logs to "
+                f"{root / f'version_{claimed[root]}'} instead"
+            )
         logger.init_args.version = claimed[root]
     return [root / f"version_{n}" for root, n in claimed.items()] if first else []
 

@@ -136,3 +136,18 @@ def test_one_run_writes_one_log_folder_whatever_the_strategy(strategy, workdir, 
     assert len(list(logs.rglob("metrics.csv"))) == 1 and len(list(logs.rglob("last.ckpt"))) == 1
     assert len(list(logs.rglob("config.yaml"))) == 1
     assert f"2 x cpu ({strategy})" in result.stdout + result.stderr
+
+
+def test_rerunning_a_runs_config_yaml_keeps_that_run_and_logs_to_a_new_folder(workdir, data_dir, caplog):
+    """A run's config.yaml names its logger version; run again with --config, it must not write into (and so
+    delete the logs of) that earlier run."""
+    run_cli("fit", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--trainer.max_epochs=1")
+    v0 = workdir / "lightning_logs" / "version_0"
+    before = {p.relative_to(v0): p.read_bytes() for p in v0.rglob("*") if p.is_file()}
+    assert yaml.safe_load((v0 / "config.yaml").read_text())["trainer"]["logger"][0]["init_args"]["version"] == 0
+    with caplog.at_level("INFO"):
+        run_cli("fit", "--config", str(v0 / "config.yaml"), "--trainer.max_epochs=1")
+    assert "lightning_logs/version_0 holds an earlier run" in caplog.text
+    assert {p.relative_to(v0): p.read_bytes() for p in v0.rglob("*") if p.is_file()} == before
+    v1 = workdir / "lightning_logs" / "version_1"
+    assert read_metrics(v1) and (v1 / "checkpoints" / "last.ckpt").is_file()
