@@ -541,28 +541,30 @@ def test_runs_started_at_once_in_one_root_each_get_their_own_folder(workdir, dat
     assert seen == {0.0, 0.1, 0.2}
 
 
-def _mount_tmpfs(path: Path, options: str) -> None:
+@contextlib.contextmanager
+def tmpfs(path: Path, options: str):
+    """A tmpfs mounted at ``path`` for the test (skips where mounting is not permitted)."""
     path.mkdir()
     result = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True)
     if result.returncode != 0:
         pytest.skip(f"a small or read-only disk needs a tmpfs mount, not permitted here: {result.stderr!r}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 @pytest.fixture
 def small_disk(tmp_path):
     """A 4 MiB file system: room for one checkpoint of the tiny network (2.4 MB), not two."""
-    path = tmp_path / "small"
-    _mount_tmpfs(path, "size=4m")
-    yield path
-    subprocess.run(["umount", "-l", str(path)], check=False)
+    with tmpfs(tmp_path / "small", "size=4m") as path:
+        yield path
 
 
 @pytest.fixture
 def read_only_disk(tmp_path):
-    path = tmp_path / "read-only"
-    _mount_tmpfs(path, "ro,size=1m")
-    yield path
-    subprocess.run(["umount", "-l", str(path)], check=False)
+    with tmpfs(tmp_path / "read-only", "ro,size=1m") as path:
+        yield path
 
 
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_what_was_written(small_disk, data_dir):
