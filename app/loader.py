@@ -1,44 +1,82 @@
-"""The training loader: a seeded, sharded order that can restart part-way through an epoch.
+"""The training loader: a seeded, sharded order that can restart part-way through an epoch, at any world size.
 
-Lightning checkpoints a loader that has ``state_dict``/``load_state_dict`` (its ``_Stateful`` protocol) together
-with the loop counters, and restores it before the epoch restarts. :class:`ResumableLoader` stores where it
-stands, ``(epoch, batches handed out)``, and on restore :class:`ResumableSampler` drops the samples of those
-batches, so a run resumed from a mid-epoch checkpoint (a preemption) sees exactly the batches it had not seen.
+Each epoch has one seeded permutation of the training set for all ranks together; rank ``r`` of ``W`` takes every
+W-th index of it, so after each rank has taken ``b`` batches of ``B`` the ranks have consumed exactly the first
+``b * B * W`` indices of the permutation. That count, the epoch's *global position*, is what the loader saves
+(Lightning checkpoints a loader that has ``state_dict``/``load_state_dict`` with the loop counters). On restore the
+rest of the permutation is dealt out again over the ranks of the new run, whatever their number: a run resumed on
+another number of devices or nodes (an elastic restart, a preempted job moved to a smaller machine) trains each
+sample of the epoch once. With the same number of ranks the order is exactly that of an unbroken run.
 
 The loader also names each batch by ``(epoch, batch)``: augmentation seeds its random numbers from that name
-(:meth:`ResumableLoader.batch_seed`), so the random crops of a resumed run are those of an uninterrupted run
-without any random-number state in the checkpoint.
+(:meth:`ResumableLoader.batch_seed`), so the random crops of a resumed run are those of an unbroken run without any
+random-number state in the checkpoint.
 """
 
 from __future__ import annotations
 
-import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 
+def fit_to_ranks(count: int, ranks: int, drop_last: bool) -> int:
+    """How many indices ``count`` become when dealt out evenly: padded up (repeating the first ones) or cut down."""
+    return count - count % ranks if drop_last else math.ceil(count / ranks) * ranks
+
+
 class ResumableSampler(DistributedSampler):
-    """``DistributedSampler`` (seeded shuffle, rank ``r`` takes every N-th index) that can skip an epoch's head."""
+    """``DistributedSampler`` (seeded shuffle, rank ``r`` takes every N-th index) that can start an epoch part-way.
+
+    ``consumed`` is the epoch's global position to start from: the indices the ranks of an earlier run (any number
+    of them) had taken together. The rest of the epoch's order is padded (or cut, with ``drop_last``) to a multiple
+    of the ranks, as ``DistributedSampler`` does with a whole epoch. ``len()`` stays that of a whole epoch, as
+    Lightning expects of a loader it restores part-way (it counts the batches before the restart as done).
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._resume_at: tuple[int, int] | None = None  # (epoch, samples of this rank to skip)
-        self.skip = 0
+        self._resume_at: tuple[int, int] | None = None  # (epoch, global position)
+        self.consumed = 0  # where the current epoch starts, in indices of all ranks together
 
-    def resume_at(self, epoch: int, samples: int) -> None:
-        self._resume_at = (epoch, samples)
+    def resume_at(self, epoch: int, consumed: int) -> None:
+        self._resume_at = (epoch, consumed)
         self.set_epoch(epoch)
 
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
-        resume_epoch, samples = self._resume_at or (None, 0)
-        self.skip = samples if epoch == resume_epoch else 0
+        resume_epoch, consumed = self._resume_at or (None, 0)
+        self.consumed = consumed if epoch == resume_epoch else 0
+
+    def epoch_order(self) -> list[int]:
+        """The epoch's indices for all ranks, in the order they are consumed (``DistributedSampler``'s order)."""
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        else:
+            order = list(range(len(self.dataset)))
+        return _fit(order, self.num_replicas, self.drop_last)
+
+    def remaining(self) -> int:
+        """The indices this rank takes in the current epoch from its starting position."""
+        total = fit_to_ranks(len(self.dataset), self.num_replicas, self.drop_last)
+        return fit_to_ranks(max(total - self.consumed, 0), self.num_replicas, self.drop_last) // self.num_replicas
 
     def __iter__(self) -> Iterator[int]:
-        skip, self.skip, self._resume_at = self.skip, 0, None  # one restart only
-        return itertools.islice(super().__iter__(), skip, None)
+        rest = _fit(self.epoch_order()[self.consumed :], self.num_replicas, self.drop_last)
+        self.consumed, self._resume_at = 0, None  # one restart only
+        return iter(rest[self.rank :: self.num_replicas])
+
+
+def _fit(indices: list[int], ranks: int, drop_last: bool) -> list[int]:
+    size = fit_to_ranks(len(indices), ranks, drop_last)
+    if size <= len(indices):
+        return indices[:size]
+    return (indices * math.ceil(size / len(indices)))[:size]
 
 
 class ResumableLoader(DataLoader):
@@ -51,13 +89,30 @@ class ResumableLoader(DataLoader):
         if not isinstance(self.sampler, ResumableSampler):
             raise TypeError("ResumableLoader needs a ResumableSampler")
         self.seed = seed
-        self.epoch = self.batch = 0  # the batch most recently handed out (batch counts from 1; 0 = none yet)
+        self.epoch = 0
+        self.batch = 0  # batches of the epoch handed out, counted as Lightning counts them (its batch_idx + 1)
+        self.consumed = 0  # the epoch's global position after those batches
+
+    def first_batch(self) -> int:
+        """The batch index the (possibly resumed) epoch starts at: the batches of a whole epoch at this world size
+        minus those left, so that Lightning's count ends at ``len(loader)`` as in an unbroken epoch."""
+        sampler = self.sampler
+        whole = fit_to_ranks(len(sampler.dataset), sampler.num_replicas, sampler.drop_last) // sampler.num_replicas
+        return self._batches(whole) - self._batches(sampler.remaining())
+
+    def _batches(self, samples: int) -> int:
+        return samples // self.batch_size if self.drop_last else math.ceil(samples / self.batch_size)
 
     def __iter__(self) -> Iterator[Any]:
         # Counted where batches are handed out (not where workers prefetch them): what training has consumed.
-        self.epoch, self.batch = self.sampler.epoch, self.sampler.skip // self.batch_size
+        sampler = self.sampler
+        self.epoch, self.batch, self.consumed = sampler.epoch, self.first_batch(), sampler.consumed
+        left = sampler.remaining()  # of this rank, in this epoch
         for batch in super().__iter__():
             self.batch += 1
+            taken = min(self.batch_size, left)
+            left -= taken
+            self.consumed += taken * sampler.num_replicas
             yield batch
 
     def batch_seed(self) -> int:
@@ -65,7 +120,14 @@ class ResumableLoader(DataLoader):
         return hash((self.seed, self.epoch, self.batch, self.sampler.rank)) & 0x7FFF_FFFF_FFFF_FFFF
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches": self.batch}
+        return {
+            "epoch": self.epoch,
+            "batches": self.batch,
+            "samples": self.consumed,  # the global position: what a run at any world size resumes from
+            "world_size": self.sampler.num_replicas,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.sampler.resume_at(state["epoch"], state["batches"] * self.batch_size)
+        # Checkpoints written before the global position was saved: their world size was this one.
+        consumed = state.get("samples", state["batches"] * self.batch_size * self.sampler.num_replicas)
+        self.sampler.resume_at(state["epoch"], consumed)

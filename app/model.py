@@ -25,6 +25,11 @@ from app.errors import UserError
 from app.networks import Arch, Norm, build_resnet
 from app.strategies.dp import DataParallelStrategy
 
+# What a checkpoint of this template holds: 1 = no number (the loader's position counted per rank); 2 = the loader
+# saves its global position in the epoch (app/loader.py), so a run resumes at any world size.
+CHECKPOINT_FORMAT = 2
+FORMAT_KEY = "fashion_mnist_template_format"
+
 # d2l trains ResNet-18 with plain SGD at lr 0.1 per 256 images; momentum, Nesterov and weight decay are the
 # usual ImageNet-recipe additions. ``cli.py`` shows these as the ``--model.optimizer`` default.
 DEFAULT_SGD = {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 5e-4}
@@ -214,6 +219,9 @@ class ImageClassifier(LightningModule):
         self._log_epoch("test")
 
     # ---------------------------------------------------------------- optimisation
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[FORMAT_KEY] = CHECKPOINT_FORMAT
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """On a resumed fit: the optimizer arguments given on the command line go over the restored param groups
         (Lightning loads ``optimizer_states`` after this hook); a new lr becomes the schedulers' base lr too."""
@@ -261,7 +269,13 @@ ARCH_KEYS = ("arch", "num_classes", "norm")  # the hyperparameters that decide t
 
 
 def check_compatible(checkpoint: dict[str, Any], ckpt_path: str | Path, module: nn.Module) -> None:
-    """Refuse, in one line, a checkpoint whose network is not the one this run builds."""
+    """Refuse, in one line, a checkpoint whose network is not the one this run builds, or that a newer version of
+    this template wrote (it may hold state this one would silently drop)."""
+    if checkpoint.get(FORMAT_KEY, 1) > CHECKPOINT_FORMAT:
+        raise UserError(
+            f"{ckpt_path}: written by a newer version of this template (checkpoint format {checkpoint[FORMAT_KEY]}, "
+            f"this one reads up to {CHECKPOINT_FORMAT}); update this checkout (git pull) to resume from it"
+        )
     saved, hparams = checkpoint["hyper_parameters"], dict(getattr(module, "hparams", {}))
     for key in ARCH_KEYS:
         if key in saved and key in hparams and saved[key] != hparams[key]:

@@ -142,7 +142,9 @@ def test_signal_mid_epoch_checkpoints_exits_and_resumes_bit_identical(
     step = checkpoint["global_step"]
     assert 11 < step <= 13, step  # at most two steps after the signal
     loader = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
-    assert loader == {"epoch": 1, "batches": step - STEPS_PER_EPOCH}  # part-way through epoch 1
+    world = 2 if strategy == "ddp" else 1
+    batches = step - STEPS_PER_EPOCH  # part-way through epoch 1; the position counts the samples of all ranks
+    assert loader == {"epoch": 1, "batches": batches, "samples": batches * 16 * world, "world_size": world}
 
     resumed = fit(workdir, data_dir, *STRATEGIES[strategy], "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
