@@ -22,6 +22,7 @@ import app  # noqa: F401  (registers the dp and horovod strategies)
 from app.callbacks import RankWatchdog
 from app.checkpoint_io import SafeCheckpointIO
 from app.data import FashionMNISTDataModule
+from app.elastic import TorchrunJob, keep_metrics_for_restart, mark_run, run_of, take_launcher_numbers, torchrun_job
 from app.errors import UserError
 from app.model import ARCH_KEYS, DEFAULT_SGD, ImageClassifier, check_compatible, load_checkpoint
 from app.run_dir import check_writable, claim_versions, folder_logger_root, is_first_process, release_if_unused
@@ -48,6 +49,7 @@ DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.RunReport"},
     {"class_path": "app.callbacks.PredictionWriter"},
     {"class_path": "app.callbacks.Preemption"},
+    {"class_path": "app.callbacks.Elastic"},
     {"class_path": "app.callbacks.StopOnNonFinite"},
 ]
 # A run's own callback that is an instance of the kind replaces the default.
@@ -145,6 +147,7 @@ class CLI(LightningCLI):
         self._args = kwargs.get("args")
         self._optimizer_overrides: dict = {}
         self._loaded: dict[str, dict] = {}  # checkpoints read by the CLI's checks, each read once
+        self._elastic_ckpt: str | None = None  # the last.ckpt a torchrun restart resumes from
         try:
             super().__init__(*args, **kwargs)
         except BaseException as err:
@@ -203,7 +206,38 @@ class CLI(LightningCLI):
                 init_args.save_dir = str(root)
         if is_first_process():
             check_writable(root or Path.cwd())
-        self._claimed = claim_versions(loggers)  # version_N made now: no other run can take it
+        job = torchrun_job()
+        if job is not None:
+            take_launcher_numbers(config.trainer, job)
+        continued = self._elastic_restart(config, loggers, job)
+        self._claimed = claim_versions(loggers, continued)  # version_N made now: no other run can take it
+        if job is not None and job.restarts_possible and not continued:
+            for folder in self._claimed:
+                mark_run(folder, job)  # for the restarts to find
+
+    def _elastic_restart(self, config, loggers: list, job: TorchrunJob | None) -> dict[Path, int]:
+        """A restart by torchrun goes on in the run folder of the job's first start, from its last.ckpt if any."""
+        if job is None or not job.restarts_possible or self.subcommand != "fit":
+            return {}
+        continued = {}
+        for logger in loggers:
+            root = folder_logger_root(logger)
+            version = None if root is None else run_of(root, job)
+            if version is None or root in continued:
+                continue
+            continued[root] = version
+            # config.yaml stays the first start's; each restart records what it ran with beside it
+            name = f"config.restart{job.restart_count}.yaml" if job.restart_count else "config.rejoined.yaml"
+            restart_config = {"config_filename": name, "overwrite": True}
+            self.save_config_kwargs = {**self.save_config_kwargs, **restart_config}
+            folder = root / f"version_{version}"
+            if is_first_process():
+                keep_metrics_for_restart(folder)
+            last = folder / "checkpoints" / "last.ckpt"
+            if last.is_file() and not self._elastic_ckpt:
+                self._elastic_ckpt = str(last.resolve())
+                config.ckpt_path = self._elastic_ckpt
+        return continued
 
     def instantiate_trainer(self, **kwargs):
         config = self._subconfig(self.config_init)
@@ -330,7 +364,14 @@ class CLI(LightningCLI):
                 "so fit cannot resume from it; validate, test, predict and export accept it"
             )
         prefix = f"--ckpt_path {given}: " if given != ckpt_path else ""
-        if self.subcommand == "fit":
+        if ckpt_path == self._elastic_ckpt:
+            job = torchrun_job()
+            what = f"restart {job.restart_count} of at most {job.max_restarts}" if job.restart_count else "re-formed"
+            rank_zero_info(
+                f"torchrun {what}: {job.world_size} process(es) on {job.nodes} node(s), resuming from {ckpt_path} "
+                f"(step {checkpoint.get('global_step', '?')}) in the same run folder"
+            )
+        elif self.subcommand == "fit":
             rank_zero_info(
                 f"{prefix}resuming from {ckpt_path} (step {checkpoint.get('global_step', '?')}); this run logs to a "
                 "new version folder, and cli.py plot of it draws the earlier run's curve too"

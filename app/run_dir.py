@@ -64,14 +64,20 @@ def earlier_run(root: Path, version) -> Path | None:
     return folder if folder.is_dir() and any(folder.iterdir()) else None
 
 
-def claim_versions(loggers: list) -> list[Path]:
-    """Give each folder-writing logger config (version unset) a claimed ``version_N``; returns the claimed folders."""
+def claim_versions(loggers: list, continued: dict[Path, int] | None = None) -> list[Path]:
+    """Give each folder-writing logger config (version unset) a claimed ``version_N``; returns the claimed folders.
+
+    ``continued`` maps a logger root to the version an elastic restart goes on writing (no claim, no notice)."""
+    continued = continued or {}
     claimed: dict[Path, int] = {}
     told: set[Path] = set()
     first = is_first_process()
     for logger in loggers:
         root = folder_logger_root(logger)
         if root is None:
+            continue
+        if root in continued:
+            logger.init_args.version = continued[root]
             continue
         if root not in claimed:
             if first:

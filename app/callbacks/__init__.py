@@ -3,6 +3,7 @@
 from app.callbacks.activation_checkpointing import ActivationCheckpointing
 from app.callbacks.checkpoint import ModelCheckpoint
 from app.callbacks.divergence import Diverged, StopOnNonFinite
+from app.callbacks.elastic import Elastic
 from app.callbacks.prediction_writer import PredictionWriter
 from app.callbacks.preemption import Preempted, Preemption
 from app.callbacks.progress import ProgressBar
@@ -15,6 +16,7 @@ __all__ = [
     "ActivationCheckpointing",
     "AllReduceBatchNorm",
     "Diverged",
+    "Elastic",
     "LRWarmup",
     "ModelCheckpoint",
     "Preempted",

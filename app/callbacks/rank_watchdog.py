@@ -31,6 +31,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
+from app.elastic import restarts_possible
 from app.errors import UserError
 from app.strategies.launch import process_alive
 
@@ -190,7 +191,9 @@ class RankWatchdog(Callback):
         me = self._heartbeat.rank if self._heartbeat else "?"
         folder = getattr(self._checkpointer, "dirpath", None)
         last = Path(folder) / "last.ckpt" if folder else None
-        if last is not None and last.is_file():
+        if restarts_possible():
+            advice = "torchrun restarts the job" + (f" from {last}" if last is not None and last.is_file() else "")
+        elif last is not None and last.is_file():
             advice = f"{last} is intact: restart with the same command plus --ckpt_path last"
         else:
             advice = "No checkpoint was written yet: restart with the same command"

@@ -1,0 +1,142 @@
+"""Runs under torchrun's elastic agent: the numbers it gives, and the run folder its restarts continue in.
+
+torchrun (``torch.distributed.run``) starts ``--nproc_per_node`` workers per node and, with ``--max-restarts=R``,
+restarts all of a node's workers when one fails or when the set of nodes changes, after a new rendezvous with
+whoever is there (``--nnodes=MIN:MAX``). Every restart runs this program again from the start, with the world
+size of the re-formed job in its environment. This module reads that environment:
+
+- the number of processes per node and the number of nodes, which Lightning otherwise wants repeated as
+  ``--trainer.devices``/``--trainer.num_nodes`` (and refuses when they differ from the launcher's: a job that
+  lost a node could not go on);
+- whether this start is a restart, and the run folder the first start claimed: a restart continues that run
+  (its ``last.ckpt``, its ``metrics.csv``) instead of starting a new one. The folder is found by the job's
+  rendezvous id, written into it as ``elastic.json`` by the first start and marked finished at the end;
+  ``--rdzv-id`` tells two jobs apart (a job started with the id of an unfinished run continues it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning.pytorch.utilities import rank_zero_info
+
+from app.errors import UserError
+
+MARKER = "elastic.json"
+METRICS_BEFORE_RESTART = "metrics.before-restart.csv"
+
+
+@dataclass(frozen=True)
+class TorchrunJob:
+    run_id: str
+    world_size: int
+    local_world_size: int
+    nodes: int
+    restart_count: int
+    max_restarts: int
+
+    @property
+    def restarts_possible(self) -> bool:
+        return self.max_restarts > 0
+
+
+def torchrun_job() -> TorchrunJob | None:
+    """The torchrun job this process is a worker of, or None when torchrun did not start it."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env or "LOCAL_WORLD_SIZE" not in env:
+        return None
+    world, local = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
+    return TorchrunJob(
+        run_id=env["TORCHELASTIC_RUN_ID"],
+        world_size=world,
+        local_world_size=local,
+        nodes=int(env.get("GROUP_WORLD_SIZE", world // max(local, 1))),
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+    )
+
+
+def restarts_possible() -> bool:
+    """True when a launcher will start this program again after a failure (torchrun with ``--max-restarts``)."""
+    job = torchrun_job()
+    return job is not None and job.restarts_possible
+
+
+def take_launcher_numbers(trainer_config, job: TorchrunJob) -> None:
+    """Put torchrun's processes per node and node count into the trainer settings.
+
+    ``--trainer.devices`` (left at auto) and ``--trainer.num_nodes`` (left at 1) are taken from the launcher. A value
+    given that disagrees is one line naming both numbers; after a restart that changed the number of nodes, the
+    launcher's count replaces a given ``num_nodes`` (the job re-formed without, or with more, nodes).
+    """
+    strategy = trainer_config.strategy
+    name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "")
+    if name in ("dp", "ddp_spawn") or name.endswith((".DataParallelStrategy", ".DDPSpawnStrategy")):
+        raise UserError(
+            f"--trainer.strategy={name} starts its own workers, but torchrun started this process as one of "
+            f"{job.world_size}; under torchrun use --trainer.strategy=ddp (one process per device)"
+        )
+    devices = trainer_config.devices
+    if devices in ("auto", None, -1, "-1"):
+        trainer_config.devices = job.local_world_size
+    elif _count(devices) != job.local_world_size:
+        raise UserError(
+            f"--trainer.devices={devices}, but torchrun started {job.local_world_size} process(es) per node "
+            f"(--nproc_per_node={job.local_world_size}); drop --trainer.devices under torchrun or make the two equal"
+        )
+    nodes = trainer_config.num_nodes
+    if nodes in (1, None) or nodes == job.nodes:
+        trainer_config.num_nodes = job.nodes
+    elif job.restart_count > 0:
+        rank_zero_info(
+            f"torchrun re-formed the job with {job.nodes} node(s): --trainer.num_nodes {nodes} -> {job.nodes}"
+        )
+        trainer_config.num_nodes = job.nodes
+    else:
+        raise UserError(
+            f"--trainer.num_nodes={nodes}, but torchrun started {job.nodes} node(s) (--nnodes); drop "
+            "--trainer.num_nodes under torchrun or make the two equal"
+        )
+
+
+def _count(devices) -> int:
+    if isinstance(devices, list | tuple):
+        return len(devices)
+    text = str(devices)
+    return len([d for d in text.split(",") if d.strip()]) if "," in text else int(text)
+
+
+def mark_run(folder: Path, job: TorchrunJob, finished: bool = False) -> None:
+    """Name ``folder`` as the run of this torchrun job, for its restarts to find (``finished`` once it trained to
+    the end: a later job with the same rendezvous id then starts a run of its own)."""
+    (folder / MARKER).write_text(json.dumps({"rdzv_id": job.run_id, "finished": finished}) + "\n")
+
+
+def run_of(root: Path, job: TorchrunJob) -> int | None:
+    """The version number of the newest unfinished run folder under ``root`` that a start of this job marked.
+
+    Looked up at every start, not only when ``TORCHELASTIC_RESTART_COUNT`` > 0: torchrun does not count a restart
+    for a node that joins, and those restarts must continue the run too."""
+    found = []
+    for folder in root.glob("version_*"):
+        match = re.fullmatch(r"version_(\d+)", folder.name)
+        try:
+            marker = json.loads((folder / MARKER).read_text())
+        except (OSError, ValueError):
+            continue
+        if match and marker.get("rdzv_id") == job.run_id and not marker.get("finished"):
+            found.append(int(match[1]))
+    return max(found, default=None)
+
+
+def keep_metrics_for_restart(folder: Path) -> None:
+    """Move the run's ``metrics.csv`` aside before the restarted run's CSV logger starts (it deletes the file); the
+    :class:`~app.callbacks.Elastic` callback writes its rows back in front of the new ones. A ``metrics.csv`` that
+    exists holds every earlier row (it is written only after they were put back), so it replaces the kept copy."""
+    metrics = folder / "metrics.csv"
+    if metrics.is_file():
+        os.replace(metrics, folder / METRICS_BEFORE_RESTART)

@@ -1,0 +1,55 @@
+"""A test-only callback: each rank appends the training samples of every batch it starts to a file of its own.
+
+Samples are named by their image's bytes, looked up in the datamodule's training set: the record does not depend
+on the loader's bookkeeping that the tests check. One JSON line per batch:
+``{"rank", "world", "epoch", "step", "ids", "time"}``, where ``step`` is the optimizer step count before the batch.
+"""
+
+import json
+import os
+import time
+from pathlib import Path
+
+from lightning.pytorch import Callback
+
+
+class RecordSamples(Callback):
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+        self._ids: dict[bytes, int] = {}
+        self._file = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        images = trainer.datamodule.train_set.images
+        self._ids = {image.numpy().tobytes(): i for i, image in enumerate(images)}
+        if len(self._ids) != len(images):
+            raise AssertionError("two training images are identical: they cannot name samples")
+        self.folder.mkdir(parents=True, exist_ok=True)
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        name = f"restart{restart}-rank{trainer.global_rank}-pid{os.getpid()}.jsonl"
+        self._file = (self.folder / name).open("a", buffering=1)
+        datamodule = trainer.datamodule
+        before = datamodule.on_before_batch_transfer
+
+        def record(batch, dataloader_idx: int):
+            if trainer.training and not trainer.sanity_checking:
+                ids = [self._ids[image.numpy().tobytes()] for image in batch[0]]
+                line = {"rank": trainer.global_rank, "world": trainer.world_size, "epoch": trainer.current_epoch}
+                line.update(step=trainer.global_step, ids=ids, time=time.time())
+                self._file.write(json.dumps(line) + "\n")
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            return before(batch, dataloader_idx)
+
+        datamodule.on_before_batch_transfer = record
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_records(folder: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted(Path(folder).glob("*.jsonl")) for line in path.read_text().splitlines()]

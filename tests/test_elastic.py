@@ -1,0 +1,277 @@
+"""Elastic training: a run that loses a node goes on at the new world size, and trains each sample of an epoch once.
+
+The multi-process tests start real launchers: two torchrun agents on this host (two "nodes" of one process each,
+c10d rendezvous), and Lightning's own ddp launcher. Which samples each rank trained on is recorded by image content
+(tests/record_samples.py), independently of the loader's own bookkeeping.
+"""
+
+import csv
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from torch.utils.data import DistributedSampler, TensorDataset
+
+from app.elastic import take_launcher_numbers, torchrun_job
+from app.errors import UserError
+from app.loader import ResumableLoader, ResumableSampler
+from app.model import CHECKPOINT_FORMAT, FORMAT_KEY, check_compatible, load_checkpoint
+from tests.conftest import CPU_TEST_CONFIG, ROOT
+from tests.record_samples import read_records
+
+SAMPLES, BATCH = 48, 4  # a training set of 48 (val_size = 60000 - 48), 4 per device: 6 steps an epoch on 2 devices
+EPOCHS = 2
+
+
+def fit_args(data_dir, root: Path, records: Path, *more: str) -> list[str]:
+    record = {"class_path": "tests.record_samples.RecordSamples", "init_args": {"folder": str(records)}}
+    return [
+        *(str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}"),
+        *(f"--data.val_size={60000 - SAMPLES}", f"--data.batch_size={BATCH}", "--trainer.limit_train_batches=null"),
+        *(f"--trainer.max_epochs={EPOCHS}", f"--trainer.default_root_dir={root}"),
+        "--trainer.callbacks+=" + json.dumps(record),
+        *more,
+    ]
+
+
+def env(**more: str) -> dict:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **more}
+
+
+def assert_each_sample_once_per_epoch(records: list[dict], resumed_at_step: int) -> None:
+    """Batches started before the state the run resumed from, plus all batches after it: each epoch is the training
+    set, each sample once. (A batch started after that state and then lost with its node is done again.)"""
+    trained = defaultdict(list)
+    for record in records:
+        before_failure = record["world"] == 2
+        if not before_failure or record["step"] < resumed_at_step:
+            trained[record["epoch"]] += record["ids"]
+    assert sorted(trained) == list(range(EPOCHS))
+    for epoch, ids in trained.items():
+        assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}: {len(ids)} samples, {len(set(ids))} distinct"
+
+
+@pytest.mark.slow
+def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_once(tmp_path, data_dir):
+    """Two torchrun agents (nodes); after step 3 one node's agent and worker are SIGKILLed. The survivor's collective
+    fails, it saves the state after step 3, torchrun restarts it at world size 1, and it resumes from that state with
+    accumulate_grad_batches 2 (the same global batch), in the same run folder."""
+    root, records = tmp_path / "runs", tmp_path / "records"
+    port = find_free_network_port()
+    lose = {"class_path": "tests.lose_node.LoseNodeAtStep", "init_args": {"step": 3}}
+    args = fit_args(data_dir, root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(lose))
+
+    def agent(is_host: bool, **more: str) -> subprocess.Popen:
+        command = [
+            *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=2"),
+            *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test"),
+            # the first round waits this long after the first agent for the second (both must be in it)
+            f"--rdzv-conf=is_host={str(is_host).lower()},last_call_timeout=15",
+            *args,
+        ]
+        folder = tmp_path / ("a" if is_host else "b")  # not the run's root: runs go where default_root_dir says
+        folder.mkdir()
+        return subprocess.Popen(
+            command, cwd=folder, env=env(**more), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    survivor = agent(is_host=True)  # hosts the rendezvous store, which must outlive the lost node
+    time.sleep(1)
+    lost = agent(is_host=False, LOSE_THIS_NODE="1")
+    try:
+        output, _ = survivor.communicate(timeout=250)
+        lost.communicate(timeout=60)
+    finally:
+        for process in (survivor, lost):
+            process.kill()
+    assert survivor.returncode == 0, output[-4000:]
+    assert lost.returncode == -9
+    assert "Saved the state after step 3 to" in output, output[-4000:]
+    assert "torchrun restart 1 of at most 2: 1 process(es) on 1 node(s), resuming from" in output
+    assert "2 -> 1 devices: accumulate_grad_batches 1 -> 2 keeps the global batch 8" in output
+    assert "Traceback" not in output.split("torchrun restart 1")[1]  # the restarted run is clean
+
+    [run] = (root / "lightning_logs").glob("version_*")  # one run folder, continued by the restart
+    final = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert final["global_step"] == EPOCHS * SAMPLES // (2 * BATCH)  # the steps of an unbroken run at global batch 8
+    recorded = read_records(records)
+    assert_each_sample_once_per_epoch(recorded, resumed_at_step=3)
+    in_flight = [r["step"] for r in recorded if r["world"] == 2 and r["step"] >= 3]
+    assert len(in_flight) <= 1  # done again: at most the step in flight on the survivor
+    with (run / "metrics.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(row["step"]) for row in rows]
+    assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == final["global_step"] - 1
+    assert {row["epoch"] for row in rows if row["val/acc"]} == {"0", "1"}  # both epochs' validation, one file
+    assert (run / "config.yaml").is_file() and (run / "config.restart1.yaml").is_file()
+    # finished: a later job with the same --rdzv-id starts a run of its own
+    assert json.loads((run / "elastic.json").read_text()) == {"rdzv_id": "elastic-test", "finished": True}
+
+    kill = max(r["time"] for r in recorded if r["world"] == 2 and r["rank"] == 1)
+    first_after = min(r["time"] for r in recorded if r["world"] == 1)
+    print(f"\nfrom the lost node's last batch to the first batch after the restart: {first_after - kill:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one_each_sample_once(tmp_path, data_dir):
+    """SIGTERM on rank 1 of a 2-process ddp run mid-epoch, then ``--ckpt_path last`` with one device: the rest of the
+    epoch is dealt out to the one process, and the run ends at the step count of an unbroken 2-process run."""
+    root, records = tmp_path / "runs", tmp_path / "records"
+    stop = {"class_path": "tests.signal_at_step.SignalAtStep", "init_args": {"step": 2, "rank": 1}}
+    stopped = subprocess.run(
+        [sys.executable, *fit_args(data_dir, root, records, "--trainer.strategy=ddp", "--trainer.devices=2")]
+        + ["--trainer.callbacks+=" + json.dumps(stop)],
+        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    checkpoint = load_checkpoint(root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt")
+    step = checkpoint["global_step"]
+    assert 2 < step < SAMPLES // (2 * BATCH)  # part-way through epoch 0
+    assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["samples"] == step * 2 * BATCH
+
+    resumed = subprocess.run(
+        [sys.executable, *fit_args(data_dir, root, records, "--trainer.devices=1", "--ckpt_path=last")],
+        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "2 -> 1 devices: accumulate_grad_batches 1 -> 2 keeps the global batch 8" in resumed.stdout + resumed.stderr
+    final = load_checkpoint(root / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt")
+    assert final["global_step"] == EPOCHS * SAMPLES // (2 * BATCH)
+    assert_each_sample_once_per_epoch(read_records(records), resumed_at_step=step)
+
+
+# ---------------------------------------------------------------- the loader at another world size, in-process
+def take_epoch(loaders: list[ResumableLoader], batches: int | None = None) -> list[int]:
+    """Each rank's loader hands out ``batches`` batches (all when None), rank by rank, as the ranks of a step do."""
+    iterators = [iter(loader) for loader in loaders]
+    taken = []
+    for _ in range(batches if batches is not None else len(loaders[0])):
+        for iterator in iterators:
+            batch = next(iterator, None)
+            if batch is not None:
+                taken += batch[0].tolist()
+    return taken
+
+
+def loaders_for(world: int, size: int, state: dict | None = None, drop_last: bool = False) -> list[ResumableLoader]:
+    dataset = TensorDataset(torch.arange(size))
+    loaders = []
+    for rank in range(world):
+        sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=7, drop_last=drop_last)
+        loader = ResumableLoader(dataset, sampler=sampler, batch_size=BATCH, seed=7)
+        if state is None:
+            sampler.set_epoch(3)
+        else:
+            loader.load_state_dict(state)
+        loaders.append(loader)
+    return loaders
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2), (2, 4), (4, 2), (3, 2)])
+def test_the_rest_of_an_epoch_is_dealt_out_over_the_new_ranks(before, after):
+    size = 96  # divisible by every world size here times the batch: no padding, so "once" is exact
+    first = loaders_for(before, size)
+    head = take_epoch(first, batches=3)
+    state = first[0].state_dict()
+    assert state == {"epoch": 3, "batches": 3, "samples": 3 * BATCH * before, "world_size": before}
+    second = loaders_for(after, size, state)
+    # Lightning's count ends at len(loader): the batches of a whole epoch minus those left (a short last one counts)
+    assert second[0].first_batch() == len(second[0]) - math.ceil((size - len(head)) / after / BATCH)
+    rest = take_epoch(second)
+    assert sorted(head + rest) == list(range(size))
+    assert second[0].state_dict()["samples"] == size
+
+
+def test_the_same_world_size_resumes_the_exact_order_and_padding_of_an_unbroken_epoch():
+    size = 50  # not divisible by 3: DistributedSampler pads with the epoch's first indices
+    unbroken = [list(DistributedSampler(range(size), 3, r, seed=7)) for r in range(3)]
+    for r, sampler in enumerate(unbroken):
+        fresh = ResumableSampler(range(size), 3, r, seed=7)
+        fresh.set_epoch(0)
+        assert list(fresh) == sampler
+    first = loaders_for(3, size)
+    head = take_epoch(first, batches=2)
+    rest = take_epoch(loaders_for(3, size, first[0].state_dict()))
+    whole = take_epoch(loaders_for(3, size))
+    assert head + rest == whole
+
+
+def test_a_checkpoint_without_the_global_position_resumes_as_before():
+    old_state = {"epoch": 3, "batches": 2}  # format 1: batches per rank, at the same world size
+    head = take_epoch(loaders_for(2, 96), batches=2)
+    rest = take_epoch(loaders_for(2, 96, old_state))
+    assert sorted(head + rest) == list(range(96))
+
+
+# ---------------------------------------------------------------- torchrun's numbers and bad input
+def torchrun_env(monkeypatch, world: int, local: int, restart: int = 0) -> None:
+    variables = {"TORCHELASTIC_RUN_ID": "job", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local)}
+    variables.update(GROUP_WORLD_SIZE=str(world // local), TORCHELASTIC_RESTART_COUNT=str(restart))
+    variables.update(TORCHELASTIC_MAX_RESTARTS="3")
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+
+
+def trainer_config(**settings) -> SimpleNamespace:
+    return SimpleNamespace(**{"strategy": "ddp", "devices": "auto", "num_nodes": 1, **settings})
+
+
+def test_devices_and_nodes_come_from_torchrun_when_not_given(monkeypatch):
+    torchrun_env(monkeypatch, world=6, local=2)
+    config = trainer_config()
+    take_launcher_numbers(config, torchrun_job())
+    assert (config.devices, config.num_nodes) == (2, 3)
+    config = trainer_config(devices=2, num_nodes=3)
+    take_launcher_numbers(config, torchrun_job())  # given and equal: fine
+    assert (config.devices, config.num_nodes) == (2, 3)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"devices": 4}, "--trainer.devices=4, but torchrun started 2 process(es) per node (--nproc_per_node=2)"),
+        ({"num_nodes": 2}, "--trainer.num_nodes=2, but torchrun started 3 node(s) (--nnodes)"),
+        ({"strategy": "dp"}, "--trainer.strategy=dp starts its own workers, but torchrun started this process as one"),
+        ({"strategy": "ddp_spawn"}, "under torchrun use --trainer.strategy=ddp"),
+    ],
+)
+def test_settings_that_disagree_with_torchrun_are_one_line(monkeypatch, settings, message):
+    torchrun_env(monkeypatch, world=6, local=2)
+    with pytest.raises(UserError) as error:
+        take_launcher_numbers(trainer_config(**settings), torchrun_job())
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_after_a_restart_the_launchers_node_count_wins(monkeypatch):
+    torchrun_env(monkeypatch, world=2, local=2, restart=1)  # the job had 2 nodes; one was lost
+    config = trainer_config(num_nodes=2)
+    take_launcher_numbers(config, torchrun_job())
+    assert config.num_nodes == 1
+
+
+def test_torchrun_refuses_more_minimum_nodes_than_maximum(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:1", "--nproc_per_node=1", str(ROOT / "cli.py")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "min_nodes must be > 0 and <= max_nodes, got min_nodes=2, max_nodes=1" in result.stderr
+
+
+def test_a_checkpoint_from_a_newer_format_is_refused_in_one_line(tmp_path):
+    from app.model import ImageClassifier
+
+    module = ImageClassifier(arch="resnet_tiny")
+    checkpoint = {FORMAT_KEY: CHECKPOINT_FORMAT + 1, "hyper_parameters": dict(module.hparams), "state_dict": {}}
+    with pytest.raises(UserError) as error:
+        check_compatible(checkpoint, tmp_path / "future.ckpt", module)
+    assert f"checkpoint format {CHECKPOINT_FORMAT + 1}, this one reads up to {CHECKPOINT_FORMAT}" in str(error.value)
