@@ -15,9 +15,13 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    to ``torch.nn.SyncBatchNorm`` in their set-up, which fails on CPU; the SyncBatchNorm callback converts instead.
 5. ``CLI._parse_ckpt_path`` (:mod:`app.cli`) — ``LightningCLI``'s step that reads the checkpoint's
    hyperparameters into the config; overridden to apply the template's ``--ckpt_path`` rule.
+6. :func:`take_over_local_ranks` — the ``ddp`` launcher's child-process observer SIGKILLs rank 0 as soon as a
+   child rank exits with a non-zero code, which after a preemption (143) or a divergence stop is the planned exit.
 """
 
 from __future__ import annotations
+
+import subprocess
 
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
@@ -57,3 +61,19 @@ def drop_layer_sync(strategy) -> None:
     """Stop a ddp strategy from converting BatchNorm layers itself (``Trainer(sync_batchnorm=True)``)."""
     if hasattr(strategy, "_layer_sync"):
         strategy._layer_sync = None
+
+
+def take_over_local_ranks(trainer) -> list[subprocess.Popen]:
+    """In rank 0 of a ``ddp`` launch: the processes of the other local ranks, no longer watched by Lightning.
+
+    The launcher's child-process observer (a thread polling every 5 s) watches the launcher's ``procs`` list, the
+    same list object; when a child exits non-zero it SIGKILLs every process, rank 0 included. Before all ranks stop
+    on purpose with a non-zero code, rank 0 empties that list (the observer then ends) and waits for the children
+    itself. Elsewhere (no such launcher) there is nothing to take: an empty list.
+    """
+    procs = getattr(trainer.strategy.launcher, "procs", None)
+    if not isinstance(procs, list):
+        return []
+    taken = list(procs)
+    procs.clear()
+    return taken

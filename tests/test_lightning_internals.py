@@ -15,7 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.strategies import Strategy
 
-from app.lightning_internals import ResultsLauncher, drop_layer_sync
+from app.lightning_internals import ResultsLauncher, drop_layer_sync, take_over_local_ranks
 from tests.conftest import ROOT
 
 
@@ -56,6 +56,19 @@ def test_layer_sync(tmp_path):
     assert isinstance(trainer.strategy._layer_sync, TorchSyncBatchNorm)
     drop_layer_sync(trainer.strategy)
     assert trainer.strategy._layer_sync is None
+
+
+def test_child_process_observer_watches_the_launchers_own_list(tmp_path):
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    procs = []
+    assert _ChildProcessObserver(main_pid=0, child_processes=procs)._child_processes is procs
+    # the ddp launcher hands the observer its own list: emptying that list ends the watch
+    assert "_launch_process_observer(self.procs)" in inspect.getsource(_SubprocessScriptLauncher.launch)
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=2, strategy="ddp", logger=False)
+    trainer.strategy.launcher.procs.extend(["rank 1"])
+    assert take_over_local_ranks(trainer) == ["rank 1"] and trainer.strategy.launcher.procs == []
 
 
 def test_cli_parse_ckpt_path_step():

@@ -300,8 +300,11 @@ def wait_until_checkpointed(process: subprocess.Popen, cwd: Path, log: Path) -> 
 
 
 def test_external_sigterm_to_rank0_of_ddp_stops_every_rank_within_30_s(workdir, data_dir):
-    """``docker stop`` signals PID 1 only: rank 0 tells the others, all write nothing but one checkpoint and exit."""
-    process, log = start(workdir, data_dir, *STRATEGIES["ddp"])
+    """``docker stop`` signals PID 1 only: rank 0 tells the others, all write nothing but one checkpoint and exit.
+    Rank 0 then cleans up slowly (a logger's upload): the other ranks' exit 143 must not get it SIGKILLed by
+    Lightning's child-process observer (it was, at random, before rank 0 took the children over)."""
+    slow = {"class_path": "tests.slow_cleanup.SlowCleanup", "init_args": {"seconds": 6}}
+    process, log = start(workdir, data_dir, *STRATEGIES["ddp"], "--trainer.callbacks+=" + json.dumps(slow))
     try:
         last = wait_until_checkpointed(process, workdir, log)
         ranks = children(process.pid)

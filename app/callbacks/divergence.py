@@ -25,6 +25,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
 from app.callbacks.preemption import wait_for_local_ranks
+from app.lightning_internals import take_over_local_ranks
 
 
 class Diverged(SystemExit):
@@ -52,6 +53,7 @@ class StopOnNonFinite(Callback):
         self._bad: torch.Tensor | None = None  # True once a step's loss was inf or nan (on the device)
         self._first_bad: torch.Tensor | None = None  # that step's loss value, kept for the message
         self._steps = 0
+        self._local_ranks: list = []  # rank 0 of a ddp launch: the other local ranks, once all stop
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._bad = torch.zeros((), dtype=torch.bool, device=pl_module.device)
@@ -82,6 +84,7 @@ class StopOnNonFinite(Callback):
         # on every rank (their gradients were all-reduced), so each rank reaches the same answer without talking.
         finite = torch.stack([torch.isfinite(p.detach()).all() for p in pl_module.parameters()]).all()
         if not bool(finite):
+            self._local_ranks = take_over_local_ranks(trainer)
             raise Diverged(self._message(trainer, "non-finite weights", math.nan), trainer.global_rank)
 
     def _check(self, trainer: Trainer, pl_module: LightningModule, where: str) -> None:
@@ -89,11 +92,12 @@ class StopOnNonFinite(Callback):
             return
         bad = trainer.strategy.reduce_boolean_decision(bool(self._bad), all=False)  # the one read of the device
         if bad:
+            self._local_ranks = take_over_local_ranks(trainer)  # before any rank can exit non-zero
             raise Diverged(self._message(trainer, "train/loss", float(self._first_bad)), trainer.global_rank)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if isinstance(exception, Diverged):
-            wait_for_local_ranks(trainer)  # every rank stops at the same step; rank 0 exits after its children
+            wait_for_local_ranks(self._local_ranks)  # all stop at the same step; rank 0 exits after its children
 
     @staticmethod
     def _message(trainer: Trainer, what: str, value: float) -> str:

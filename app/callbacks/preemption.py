@@ -30,15 +30,16 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.callbacks.progress import console_print
-from app.lightning_internals import log_step_now
+from app.lightning_internals import log_step_now, take_over_local_ranks
 
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
 
 
-def wait_for_local_ranks(trainer) -> None:
+def wait_for_local_ranks(processes: list[subprocess.Popen]) -> None:
     """Rank 0 of a ``ddp`` launch started the other local ranks: when all ranks stop together, it returns only after
-    they have exited too (or kills them after ``WAIT_FOR_RANKS_S``), so the job's exit is the whole run's exit."""
-    for process in getattr(trainer.strategy.launcher, "procs", []):
+    they have exited too (or kills them after ``WAIT_FOR_RANKS_S``), so the job's exit is the whole run's exit.
+    ``processes`` come from :func:`take_over_local_ranks`, taken before any rank can exit."""
+    for process in processes:
         try:
             process.wait(timeout=WAIT_FOR_RANKS_S)
         except subprocess.TimeoutExpired:
@@ -66,6 +67,7 @@ class Preemption(Callback):
         self._previous: dict[int, object] = {}
         self._rank = 0
         self._stopping_in_validation = False
+        self._local_ranks: list[subprocess.Popen] = []
 
     # ---------------------------------------------------------------- setup
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -127,6 +129,7 @@ class Preemption(Callback):
         if not signum:
             return
         self._collect()  # every rank issued this step's reduction: finish it before leaving
+        self._local_ranks = take_over_local_ranks(trainer)  # before any rank can exit 143
         # The loop will not come back to this batch: do what it would do after the callbacks' hook (the module's
         # hook logs this step's train/loss, then the values go to the loggers), so no logged value is lost. The
         # checkpoint is then taken where Lightning's own step checkpoints are (before the batch counts as completed).
@@ -148,6 +151,7 @@ class Preemption(Callback):
         if not signum:
             return
         self._collect()
+        self._local_ranks = take_over_local_ranks(trainer)
         if trainer.sanity_checking:  # before the first step: nothing to save
             console_print(trainer, f"{signal.Signals(signum).name}: stopped before training. Exit code {128 + signum}.")
             raise Preempted(signum, checkpointed=False)
@@ -185,8 +189,13 @@ class Preemption(Callback):
         return Path(path)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-        if isinstance(exception, Preempted) and exception.checkpointed:
-            wait_for_local_ranks(trainer)  # they stop after the same batch; at a second signal Lightning kills them
+        if not isinstance(exception, Preempted):
+            return
+        if exception.checkpointed:
+            wait_for_local_ranks(self._local_ranks)  # they stop after the same batch
+        else:  # a second signal: stop now, the other local ranks too
+            for process in self._local_ranks:
+                process.kill()
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._collect()  # the last step's reduction, issued by every rank
