@@ -20,9 +20,10 @@ from lightning.pytorch.utilities import rank_zero_info
 
 import app  # noqa: F401  (registers the dp and horovod strategies)
 from app.callbacks import RankWatchdog
+from app.callbacks.elastic import ElasticRunFolder
 from app.checkpoint_io import SafeCheckpointIO
 from app.data import FashionMNISTDataModule
-from app.elastic import TorchrunJob, keep_metrics_for_restart, mark_run, run_of, take_launcher_numbers, torchrun_job
+from app.elastic import TorchrunJob, keep_metrics_for_restart, run_of, take_launcher_numbers, torchrun_job
 from app.errors import UserError
 from app.model import ARCH_KEYS, DEFAULT_SGD, ImageClassifier, check_compatible, load_checkpoint
 from app.run_dir import check_writable, claim_versions, folder_logger_root, is_first_process, release_if_unused
@@ -148,6 +149,7 @@ class CLI(LightningCLI):
         self._optimizer_overrides: dict = {}
         self._loaded: dict[str, dict] = {}  # checkpoints read by the CLI's checks, each read once
         self._elastic_ckpt: str | None = None  # the last.ckpt a torchrun restart resumes from
+        self._elastic_run: ElasticRunFolder | None = None
         try:
             super().__init__(*args, **kwargs)
         except BaseException as err:
@@ -211,9 +213,8 @@ class CLI(LightningCLI):
             take_launcher_numbers(config.trainer, job)
         continued = self._elastic_restart(config, loggers, job)
         self._claimed = claim_versions(loggers, continued)  # version_N made now: no other run can take it
-        if job is not None and job.restarts_possible and not continued:
-            for folder in self._claimed:
-                mark_run(folder, job)  # for the restarts to find
+        if job is not None and job.restarts_possible and self.subcommand == "fit":
+            self._elastic_run = ElasticRunFolder(job, self._claimed, continued, self._elastic_ckpt)
 
     def _elastic_restart(self, config, loggers: list, job: TorchrunJob | None) -> dict[Path, int]:
         """A restart by torchrun goes on in the run folder of the job's first start, from its last.ckpt if any."""
@@ -243,6 +244,8 @@ class CLI(LightningCLI):
         config = self._subconfig(self.config_init)
         own = list(config.trainer.get("callbacks") or [])
         kwargs["callbacks"] = default_callbacks(config.trainer, own, config.get("drop_callbacks") or []) + own
+        if self._elastic_run is not None:
+            kwargs["callbacks"].insert(0, self._elastic_run)  # its setup's check comes before any other collective
         try:
             trainer = super().instantiate_trainer(**kwargs)
         except (MisconfigurationException, TypeError, ValueError) as err:

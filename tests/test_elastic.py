@@ -21,7 +21,7 @@ import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from app.elastic import take_launcher_numbers, torchrun_job
+from app.elastic import run_of, take_launcher_numbers, torchrun_job
 from app.errors import UserError
 from app.loader import ResumableLoader, ResumableSampler
 from app.model import CHECKPOINT_FORMAT, FORMAT_KEY, check_compatible, load_checkpoint
@@ -70,30 +70,32 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     lose = {"class_path": "tests.lose_node.LoseNodeAtStep", "init_args": {"step": 3}}
     args = fit_args(data_dir, root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(lose))
 
-    def agent(is_host: bool, **more: str) -> subprocess.Popen:
+    def agent(name: str, is_host: bool, start_delay: float = 0, **more: str) -> subprocess.Popen:
         command = [
             *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=2"),
             *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test"),
             # the first round waits this long after the first agent for the second (both must be in it)
             f"--rdzv-conf=is_host={str(is_host).lower()},last_call_timeout=15",
+            # a node whose worker starts late (a slower machine): rank 0 is set up before it looks for a run
+            *("--no-python", "sh", "-c", f'sleep {start_delay}; exec "$@"', "worker", sys.executable),
             *args,
         ]
-        folder = tmp_path / ("a" if is_host else "b")  # not the run's root: runs go where default_root_dir says
+        folder = tmp_path / name  # not the run's root: runs go where default_root_dir says
         folder.mkdir()
-        return subprocess.Popen(
-            command, cwd=folder, env=env(**more), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+        with open(tmp_path / f"{name}.log", "w") as log:  # a file, not a pipe nobody reads while the other runs
+            return subprocess.Popen(command, cwd=folder, env=env(**more), stdout=log, stderr=subprocess.STDOUT)
 
-    survivor = agent(is_host=True)  # hosts the rendezvous store, which must outlive the lost node
+    survivor = agent("survivor", is_host=True)  # hosts the rendezvous store, which must outlive the lost node
     time.sleep(1)
-    lost = agent(is_host=False, LOSE_THIS_NODE="1")
+    lost = agent("lost", is_host=False, start_delay=5, LOSE_THIS_NODE="1")
     try:
-        output, _ = survivor.communicate(timeout=250)
-        lost.communicate(timeout=60)
+        survivor.wait(timeout=250)
+        lost.wait(timeout=60)
     finally:
         for process in (survivor, lost):
             process.kill()
-    assert survivor.returncode == 0, output[-4000:]
+    output, other = (tmp_path / "survivor.log").read_text(), (tmp_path / "lost.log").read_text()
+    assert survivor.returncode == 0, output[-4000:] + "\n--- the lost node:\n" + other[-3000:]
     assert lost.returncode == -9
     assert "Saved the state after step 3 to" in output, output[-4000:]
     assert "torchrun restart 1 of at most 2: 1 process(es) on 1 node(s), resuming from" in output
@@ -256,6 +258,38 @@ def test_after_a_restart_the_launchers_node_count_wins(monkeypatch):
     config = trainer_config(num_nodes=2)
     take_launcher_numbers(config, torchrun_job())
     assert config.num_nodes == 1
+
+
+def rank_of_two(rank: int, rank0_decided: dict) -> SimpleNamespace:
+    """A trainer of a 2-rank job as ElasticRunFolder sees it: broadcast gives rank 0's decision (the other rank
+    agrees in these cases, so this rank's vote decides)."""
+    strategy = SimpleNamespace(
+        broadcast=lambda obj, src: rank0_decided if rank else obj,
+        reduce_boolean_decision=lambda decision, all: decision,
+    )
+    return SimpleNamespace(strategy=strategy, is_global_zero=rank == 0)
+
+
+def test_the_run_folder_is_marked_after_every_rank_decided_and_a_disagreement_is_one_line(monkeypatch, tmp_path):
+    from app.callbacks.elastic import ElasticRunFolder
+
+    torchrun_env(monkeypatch, world=2, local=1, restart=1)
+    job, root = torchrun_job(), tmp_path / "lightning_logs"
+    (root / "version_3").mkdir(parents=True)
+    first = ElasticRunFolder(job, claimed=[root / "version_3"], continued={}, ckpt_path=None)
+    assert run_of(root, job) is None  # not marked while the ranks decide
+    first.setup(rank_of_two(0, {}), None, "fit")
+    assert run_of(root, job) == 3  # marked once they agreed: a restart continues it
+
+    # rank 1 of a restart does not see the folder rank 0 continues (a root the nodes do not share)
+    rank0 = {"continues": [(str(root), 3)], "ckpt": str(root / "version_3" / "checkpoints" / "last.ckpt")}
+    rank1 = ElasticRunFolder(job, claimed=[], continued={}, ckpt_path=None)
+    with pytest.raises(UserError) as error:
+        rank1.setup(rank_of_two(1, rank0), None, "fit")
+    assert f"rank 0 continues {root}/version_3" in str(error.value) and "shared filesystem" in str(error.value)
+
+    first.on_fit_end(rank_of_two(0, {}), None)
+    assert run_of(root, job) is None  # finished: a later job with this id starts a run of its own
 
 
 def test_torchrun_refuses_more_minimum_nodes_than_maximum(tmp_path):

@@ -29,7 +29,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.callbacks.progress import console_print
-from app.elastic import MARKER, METRICS_BEFORE_RESTART, mark_run, restarts_possible, torchrun_job
+from app.elastic import MARKER, METRICS_BEFORE_RESTART, TorchrunJob, mark_run, restarts_possible, torchrun_job
 from app.errors import UserError
 from app.loader import ResumableLoader
 
@@ -156,14 +156,6 @@ class Elastic(Callback):
             logger.save()
             kept.unlink()
 
-    def on_fit_end(self, trainer, pl_module) -> None:
-        job = torchrun_job()
-        if job is None or not job.restarts_possible or not trainer.is_global_zero or trainer.logger is None:
-            return
-        folder = Path(trainer.logger.log_dir)  # the logger's, not trainer.log_dir: that one is a collective
-        if (folder / MARKER).is_file():
-            mark_run(folder, job, finished=True)  # a later job with this id starts a run of its own
-
     # ---------------------------------------------------------------- a failure the launcher restarts from
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self.restartable and (self._last_step is None or self._last_step[0] != trainer.global_step):
@@ -208,3 +200,42 @@ class Elastic(Callback):
             f"[rank {trainer.global_rank}] {type(exception).__name__}: {reason}. Saved the state after step {step} "
             f"to {path}; the launcher restarts the job from there",
         )
+
+
+class ElasticRunFolder(Callback):
+    """The run folder of a torchrun job with ``--max-restarts`` > 0; the CLI adds it (it is not one to leave out).
+
+    Every rank decides, before the process group exists, whether its start continues an unfinished run of the job
+    (:func:`app.elastic.run_of`). Rank 0 marks a new run's folder only here, once the process group has formed, so
+    no rank can find the mark of its own start and take it for an earlier one. The ranks then check that they
+    decided alike: a root that the nodes do not share would otherwise have them issue different collectives.
+    """
+
+    def __init__(self, job: TorchrunJob, claimed: list[Path], continued: dict[Path, int], ckpt_path: str | None):
+        self.job = job
+        self.claimed = list(claimed)  # rank 0's new version folders (empty elsewhere and on a continued run)
+        self.continued = dict(continued)  # logger root -> the version this start goes on writing
+        self.ckpt_path = ckpt_path
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if stage != "fit":
+            return
+        mine = {"continues": sorted((str(root), v) for root, v in self.continued.items()), "ckpt": self.ckpt_path}
+        rank0 = trainer.strategy.broadcast(mine, src=0)
+        if not trainer.strategy.reduce_boolean_decision(mine == rank0, all=True):
+            what = ", ".join(f"{root}/version_{v}" for root, v in rank0["continues"]) or "nothing (a new run)"
+            raise UserError(
+                f"torchrun start: the ranks disagree on the run they continue (rank 0 continues {what}); the runs' "
+                "folder (--trainer.default_root_dir) must be one that every node sees, on a shared filesystem"
+            )
+        if trainer.is_global_zero:
+            for folder in self.claimed:
+                mark_run(folder, self.job)  # for the restarts to find
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if not trainer.is_global_zero:
+            return
+        folders = self.claimed + [root / f"version_{v}" for root, v in self.continued.items()]
+        for folder in folders:
+            if (folder / MARKER).is_file():
+                mark_run(folder, self.job, finished=True)  # a later job with this id starts a run of its own
