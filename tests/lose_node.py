@@ -1,16 +1,22 @@
-"""A test-only callback: after a given optimizer step, the worker of a "node" SIGKILLs its torchrun agent and itself.
+"""Test-only callbacks for the elastic tests: a node that is lost, and a run that waits for a node to join.
 
-Only the worker whose agent was started with ``LOSE_THIS_NODE=1`` does it, and only on torchrun's first start: the
-node is gone for good, as when a machine is lost.
+Each acts only on torchrun's first start (``TORCHELASTIC_RESTART_COUNT`` 0) and in the process its environment
+names, so the restarted job runs undisturbed.
 """
 
 import os
 import signal
+import time
 
 from lightning.pytorch import Callback
 
+from app.callbacks import Preemption
+
 
 class LoseNodeAtStep(Callback):
+    """After ``step``, the worker whose agent was started with ``LOSE_THIS_NODE=1`` SIGKILLs its torchrun agent and
+    itself: the node is gone for good, as when a machine is lost."""
+
     def __init__(self, step: int) -> None:
         self.step = step
 
@@ -19,3 +25,19 @@ class LoseNodeAtStep(Callback):
         if trainer.global_step == self.step and os.environ.get("LOSE_THIS_NODE") == "1" and first_start:
             os.kill(os.getppid(), signal.SIGKILL)  # the agent: it cannot restart this worker
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class WaitForNodeAtStep(Callback):
+    """After ``step`` of a run of ``world_size`` processes, wait (up to ``timeout`` s) until the launcher stops this
+    worker with SIGTERM, as torchrun does when another node joins: the join then comes at a known step."""
+
+    def __init__(self, step: int, world_size: int, timeout: float = 240) -> None:
+        self.step, self.world_size, self.timeout = step, world_size, timeout
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if trainer.global_step != self.step or trainer.world_size != self.world_size:
+            return
+        [preemption] = [c for c in trainer.callbacks if isinstance(c, Preemption)]
+        deadline = time.monotonic() + self.timeout
+        while not preemption.received and time.monotonic() < deadline:
+            time.sleep(0.1)

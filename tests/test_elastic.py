@@ -9,6 +9,7 @@ import csv
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -24,7 +25,7 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from app.elastic import run_of, take_launcher_numbers, torchrun_job
 from app.errors import UserError
 from app.loader import ResumableLoader, ResumableSampler
-from app.model import CHECKPOINT_FORMAT, FORMAT_KEY, check_compatible, load_checkpoint
+from app.model import CHECKPOINT_FORMAT, DEFAULT_SGD, FORMAT_KEY, check_compatible, load_checkpoint
 from tests.conftest import CPU_TEST_CONFIG, ROOT
 from tests.record_samples import read_records
 
@@ -47,17 +48,38 @@ def env(**more: str) -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **more}
 
 
-def assert_each_sample_once_per_epoch(records: list[dict], resumed_at_step: int) -> None:
+def assert_each_sample_once_per_epoch(records: list[dict], resumed_at_step: int, world_before: int = 2) -> None:
     """Batches started before the state the run resumed from, plus all batches after it: each epoch is the training
     set, each sample once. (A batch started after that state and then lost with its node is done again.)"""
     trained = defaultdict(list)
     for record in records:
-        before_failure = record["world"] == 2
+        before_failure = record["world"] == world_before
         if not before_failure or record["step"] < resumed_at_step:
             trained[record["epoch"]] += record["ids"]
     assert sorted(trained) == list(range(EPOCHS))
     for epoch, ids in trained.items():
         assert sorted(ids) == list(range(SAMPLES)), f"epoch {epoch}: {len(ids)} samples, {len(set(ids))} distinct"
+
+
+def start_agent(
+    tmp_path: Path, name: str, port: int, args: list[str], is_host: bool, last_call: int = 15, delay: float = 0, **more
+) -> subprocess.Popen:
+    """One torchrun agent (a "node" of one process) of the job ``elastic-test``, its output in ``tmp_path/name.log``."""
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=2"),
+        *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test"),
+        # a round waits this long after MIN nodes are in for more, up to MAX
+        f"--rdzv-conf=is_host={str(is_host).lower()},last_call_timeout={last_call}",
+        # a node whose worker starts late (a slower machine): rank 0 is set up before it looks for a run
+        *("--no-python", "sh", "-c", f'sleep {delay}; exec "$@"', "worker", sys.executable),
+        *args,
+    ]
+    folder = tmp_path / name  # not the run's root: runs go where default_root_dir says
+    folder.mkdir()
+    # as docs/elastic.md says: torch 2.14's shared rendezvous store gives a node joining a later round no address
+    more = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **more}
+    with open(tmp_path / f"{name}.log", "w") as log:  # a file, not a pipe nobody reads while the other runs
+        return subprocess.Popen(command, cwd=folder, env=env(**more), stdout=log, stderr=subprocess.STDOUT)
 
 
 @pytest.mark.slow
@@ -70,24 +92,9 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     lose = {"class_path": "tests.lose_node.LoseNodeAtStep", "init_args": {"step": 3}}
     args = fit_args(data_dir, root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(lose))
 
-    def agent(name: str, is_host: bool, start_delay: float = 0, **more: str) -> subprocess.Popen:
-        command = [
-            *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=2"),
-            *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic-test"),
-            # the first round waits this long after the first agent for the second (both must be in it)
-            f"--rdzv-conf=is_host={str(is_host).lower()},last_call_timeout=15",
-            # a node whose worker starts late (a slower machine): rank 0 is set up before it looks for a run
-            *("--no-python", "sh", "-c", f'sleep {start_delay}; exec "$@"', "worker", sys.executable),
-            *args,
-        ]
-        folder = tmp_path / name  # not the run's root: runs go where default_root_dir says
-        folder.mkdir()
-        with open(tmp_path / f"{name}.log", "w") as log:  # a file, not a pipe nobody reads while the other runs
-            return subprocess.Popen(command, cwd=folder, env=env(**more), stdout=log, stderr=subprocess.STDOUT)
-
-    survivor = agent("survivor", is_host=True)  # hosts the rendezvous store, which must outlive the lost node
+    survivor = start_agent(tmp_path, "survivor", port, args, is_host=True)  # the store must outlive the lost node
     time.sleep(1)
-    lost = agent("lost", is_host=False, start_delay=5, LOSE_THIS_NODE="1")
+    lost = start_agent(tmp_path, "lost", port, args, is_host=False, delay=5, LOSE_THIS_NODE="1")
     try:
         survivor.wait(timeout=250)
         lost.wait(timeout=60)
@@ -121,6 +128,57 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     kill = max(r["time"] for r in recorded if r["world"] == 2 and r["rank"] == 1)
     first_after = min(r["time"] for r in recorded if r["world"] == 1)
     print(f"\nfrom the lost node's last batch to the first batch after the restart: {first_after - kill:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_node_that_joins_mid_epoch_is_taken_in_and_each_sample_trained_once(tmp_path, data_dir):
+    """One torchrun agent trains alone; after its step 3 a second agent joins. torchrun stops the worker with
+    SIGTERM (preemption: last.ckpt after the step), both agents re-form the job at world size 2, and the run goes on
+    from that state in the same folder. A global batch of 4 cannot be kept on 2 devices of 4: the learning rate is
+    scaled instead (linear scaling rule), with one line."""
+    root, records = tmp_path / "runs", tmp_path / "records"
+    port = find_free_network_port()
+    wait = {"class_path": "tests.lose_node.WaitForNodeAtStep", "init_args": {"step": 3, "world_size": 1}}
+    args = fit_args(data_dir, root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(wait))
+
+    first = start_agent(tmp_path, "first", port, args, is_host=True, last_call=2)  # forms the job alone
+    joining = None
+    try:
+        deadline = time.monotonic() + 180
+        while not any(r["step"] == 2 for r in read_records(records)):  # the batch that ends at step 3 started
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.5)
+        joined = time.time()
+        joining = start_agent(tmp_path, "joining", port, args, is_host=False, last_call=2)
+        first.wait(timeout=240)
+        joining.wait(timeout=60)
+    finally:
+        for process in (first, joining):
+            if process is not None:
+                process.kill()
+    output, other = (tmp_path / "first.log").read_text(), (tmp_path / "joining.log").read_text()
+    assert first.returncode == joining.returncode == 0, output[-4000:] + "\n--- the joining node:\n" + other[-3000:]
+    stopped = re.search(r"SIGTERM: stopped after step (\d+) \(epoch 0\)", output)
+    assert stopped, output[-4000:]
+    saved = int(stopped[1])
+    assert "torchrun resumes from it when it restarts the job" in output  # not "--ckpt_path last": nothing to do
+    assert "torchrun re-formed: 2 process(es) on 2 node(s), resuming from" in output
+    line = "1 -> 2 devices: the global batch 4 -> 8 (1 is not a multiple of 2); learning rate x 2 (linear scaling rule)"
+    assert line in output
+
+    [run] = (root / "lightning_logs").glob("version_*")  # one run folder, continued after the join
+    final = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    left_in_epoch_0 = math.ceil((SAMPLES - saved * BATCH) / (2 * BATCH))
+    assert final["global_step"] == saved + left_in_epoch_0 + SAMPLES // (2 * BATCH)
+    assert {group["lr"] for group in final["optimizer_states"][0]["param_groups"]} == {2 * DEFAULT_SGD["lr"]}
+    assert_each_sample_once_per_epoch(read_records(records), resumed_at_step=saved, world_before=1)
+    with (run / "metrics.csv").open(newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f)]
+    assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == final["global_step"] - 1
+    assert (run / "config.yaml").is_file() and (run / "config.rejoined.yaml").is_file()
+    assert json.loads((run / "elastic.json").read_text()) == {"rdzv_id": "elastic-test", "finished": True}
+    first_at_two = min(r["time"] for r in read_records(records) if r["world"] == 2)
+    print(f"\nfrom starting the joining agent to the first batch on two nodes: {first_at_two - joined:.1f} s")
 
 
 @pytest.mark.slow

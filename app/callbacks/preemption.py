@@ -30,6 +30,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.callbacks.progress import console_print
+from app.elastic import restarts_possible
 from app.lightning_internals import log_step_now, take_over_local_ranks
 
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
@@ -44,6 +45,12 @@ def wait_for_local_ranks(processes: list[subprocess.Popen]) -> None:
             process.wait(timeout=WAIT_FOR_RANKS_S)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def _how_to_continue() -> str:
+    if restarts_possible():  # torchrun stops the workers with SIGTERM to take in a node that joins, then restarts
+        return "torchrun resumes from it when it restarts the job; after the job ended, the same command continues it"
+    return "Continue with the same command plus --ckpt_path last"
 
 
 class Preempted(SystemExit):
@@ -140,7 +147,7 @@ class Preemption(Callback):
         console_print(
             trainer,
             f"{name}: stopped after step {trainer.global_step} (epoch {trainer.current_epoch}); saved {path}. "
-            f"Continue with the same command plus --ckpt_path last. Exit code {128 + signum}.",
+            f"{_how_to_continue()}. Exit code {128 + signum}.",
         )
         raise Preempted(signum)
 
@@ -160,8 +167,8 @@ class Preemption(Callback):
         console_print(
             trainer,
             f"{signal.Signals(signum).name}: stopped in the validation after step {trainer.global_step} (epoch "
-            f"{trainer.current_epoch}); saved {path}. Continue with the same command plus --ckpt_path last, which "
-            f"validates this epoch again. Exit code {128 + signum}.",
+            f"{trainer.current_epoch}); saved {path}. {_how_to_continue()}, which validates this epoch again. Exit "
+            f"code {128 + signum}.",
         )
         raise Preempted(signum)
 
