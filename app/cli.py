@@ -8,6 +8,7 @@ import importlib
 import inspect
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -208,6 +209,8 @@ class CLI(LightningCLI):
                 init_args.save_dir = str(root)
         if is_first_process():
             check_writable(root or Path.cwd())
+        if is_first_process() and self.subcommand == "fit" and config.trainer.logger in (False, []):
+            check_loggerless_root(Path(root or "."), config)
         job = torchrun_job()
         if job is not None:
             take_launcher_numbers(config.trainer, job)
@@ -242,6 +245,8 @@ class CLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         config = self._subconfig(self.config_init)
+        if config.trainer.get("logger") in (False, []):
+            self.save_config_callback = None  # no run folder for config.yaml: it would go into the root itself
         own = list(config.trainer.get("callbacks") or [])
         kwargs["callbacks"] = default_callbacks(config.trainer, own, config.get("drop_callbacks") or []) + own
         if self._elastic_run is not None:
@@ -406,6 +411,26 @@ def newest_last_ckpt(runs_root: Path, default_root: Path, folders: list[Path] = 
     for folder in folders:  # ModelCheckpoints with an explicit folder
         candidates += list(folder.glob("last.ckpt"))
     return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def check_loggerless_root(root: Path, config) -> None:
+    """Without a logger there is no run folder: Lightning writes the checkpoints straight into ``ROOT/checkpoints``,
+    where a new run would overwrite an earlier run's. A resume (``--ckpt_path``) continues writing there."""
+    t = config.trainer
+    if t.enable_checkpointing is False or t.fast_dev_run:
+        return
+    folder = root / "checkpoints"
+    if config.get("ckpt_path"):
+        warnings.filterwarnings(  # the folder of the run being continued: not empty, by design
+            "ignore", message=r"Checkpoint directory .* exists and is not empty", module=r"lightning\.pytorch"
+        )
+        return
+    if any(folder.glob("*.ckpt")):
+        raise UserError(
+            f"{folder}: holds an earlier run's checkpoints, which this run would overwrite (with "
+            "--trainer.logger=false there is no run folder: checkpoints go straight into the root); continue that "
+            "run with --ckpt_path last, or pass another --trainer.default_root_dir"
+        )
 
 
 def resolve_last_or_best(which: str, config, load=load_checkpoint) -> str | None:

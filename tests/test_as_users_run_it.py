@@ -22,6 +22,7 @@ import yaml
 from lightning.pytorch import Callback
 
 from app.cli import main
+from app.model import load_checkpoint
 from app.plot import epoch_metrics
 from app.strategies.launch import remove_stale_launch_folders
 from tests.conftest import CPU_TEST_CONFIG, ROOT
@@ -105,7 +106,6 @@ def test_runs_land_under_default_root_dir_and_resume_from_there(tmp_path, data_d
 @pytest.mark.parametrize(
     "switch, expect",
     [
-        ("--trainer.logger=false", "checkpoints/last.ckpt"),  # no log folder: Lightning puts them in the root
         ("--trainer.enable_checkpointing=false", "lightning_logs/version_0/metrics.csv"),
         ("--trainer.fast_dev_run=true", None),
     ],
@@ -119,6 +119,32 @@ def test_lightning_switches_work_beside_the_default_callbacks(switch, expect, tm
         assert (root / expect).is_file()
     if "checkpointing" in switch:
         assert not list(root.rglob("*.ckpt"))
+
+
+def test_without_a_logger_a_second_run_never_overwrites_the_first_and_a_resume_continues_it(tmp_path, data_dir):
+    """``--trainer.logger=false``: no run folder, so Lightning writes checkpoints straight into ROOT/checkpoints. A
+    second fresh run there is one line and leaves them as they were (it overwrote them, or died on config.yaml
+    with a traceback); ``--ckpt_path last`` continues the run there, quietly."""
+    root = tmp_path / "root"
+    command = cli_command(data_dir, f"--trainer.default_root_dir={root}", "--trainer.logger=false")
+    first = run(command, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert noise(first.stderr) == [], noise(first.stderr)
+    last = root / "checkpoints" / "last.ckpt"
+    before = last.read_bytes()
+    assert not (root / "config.yaml").exists()  # no run folder to put it in; not into the root itself
+
+    again = run(command, cwd=tmp_path)
+    assert again.returncode == 2, again.stderr[-3000:]
+    *_, line = again.stderr.strip().splitlines()  # after the seed's line
+    assert "Traceback" not in again.stderr
+    assert f"error: {root / 'checkpoints'}: holds an earlier run's checkpoints" in line and "--ckpt_path last" in line
+    assert last.read_bytes() == before
+
+    resumed = run(command + ["--trainer.max_epochs=3", "--ckpt_path=last"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert noise(resumed.stderr) == [], noise(resumed.stderr)
+    assert load_checkpoint(last)["epoch"] == 2
 
 
 def test_a_yaml_callbacks_list_keeps_the_default_callbacks(tmp_path, data_dir):
