@@ -26,9 +26,24 @@ def check_steps(name: str, result: dict, reference: dict) -> None:
     assert result["global_step"] == 4  # saved by rank 0 where it trained, whatever the launcher
 
 
+def one_process(args: tuple[str, ...]) -> bool:
+    """One device, or dp (threads in one process): no launcher starts other processes."""
+
+    def value(flag: str, default: str) -> str:
+        return args[args.index(flag) + 1] if flag in args else default
+
+    return value("--devices", "1") == "1" or value("--strategy", "auto") == "dp"
+
+
 def run_parity(out_dir: Path, data_dir: Path, name: str, *args: str, mpirun: int = 0) -> dict:
+    """Run the case once. One-process cases run in this process (the launchers are not what they test, and a new
+    interpreter costs seconds of imports); every multi-process case runs as a user runs the script."""
     out = out_dir / f"{name}.pt"
-    if not out.exists():
+    if not out.exists() and not mpirun and one_process(args):
+        from tests import parity_run
+
+        parity_run.main([str(out), "--data-dir", str(data_dir), *args])
+    elif not out.exists():
         cmd = [sys.executable, str(SCRIPT), str(out), "--data-dir", str(data_dir), *args]
         if mpirun:
             cmd = [str(MPIRUN), "-np", str(mpirun), "--oversubscribe", *cmd]

@@ -19,7 +19,7 @@ from app.data import FashionMNISTDataModule
 from app.model import ImageClassifier
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--data-dir", required=True)
@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--sync-bn", action="store_true", help="add the SyncBatchNorm callback")
     parser.add_argument("--checkpointing", action="store_true", help="add the ActivationCheckpointing callback")
     parser.add_argument("--warmup-steps", type=int, default=0, help="add LRWarmup (linear scaling rule) if > 0")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     callbacks = [SaveResult(args.out)]
     if args.sync_bn:
