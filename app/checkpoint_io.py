@@ -85,6 +85,13 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
         raise UserError(f"{path}: no such checkpoint file; pass --ckpt_path lightning_logs/version_N/checkpoints/...")
     if path.stat().st_size == 0:
         raise UserError(f"{path}: an empty file (0 bytes), not a checkpoint; pass another --ckpt_path")
+    with path.open("rb") as f:
+        head = f.read(2)
+    if not head.startswith((b"PK", b"\x80")):  # torch.save's zip archive, or its legacy pickle stream
+        raise UserError(
+            f"{path}: not a checkpoint: not a file torch.save writes; pass a .ckpt file, such as "
+            "lightning_logs/version_N/checkpoints/last.ckpt"
+        )
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:

@@ -425,6 +425,7 @@ BAD_INPUT = {
     "missing checkpoint": (["--ckpt_path=nothere.ckpt"], "nothere.ckpt: no such checkpoint file"),
     "truncated checkpoint": (["--ckpt_path=truncated.ckpt"], "truncated.ckpt: not a loadable checkpoint"),
     "pickled object in checkpoint": (["--ckpt_path=pickled.ckpt"], "pickled.ckpt: refused: it holds pickled"),
+    "text file as checkpoint": (["--ckpt_path=typo.yaml"], "typo.yaml: not a checkpoint: not a file torch.save"),
     "other class count": (["--ckpt_path=other.ckpt"], "other.ckpt: its weights do not fit this network"),
     "contradicting flag": (["--ckpt_path=good.ckpt", "--model.num_classes=5"], "--model.num_classes=5 was given"),
     "contradicting default": (["--ckpt_path=good.ckpt", "--model.arch=resnet18"], "--model.arch=resnet18 was given"),
