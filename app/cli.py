@@ -361,6 +361,11 @@ class CLI(LightningCLI):
             ckpt_path = None if found is None else str(found)
         if ckpt_path is None or ckpt_path == "hpc":
             config["ckpt_path"] = self.config[self.subcommand]["ckpt_path"] = ckpt_path
+            if ckpt_path is None and self.subcommand != "fit":
+                rank_zero_info(
+                    f"no --ckpt_path: {self.subcommand} uses a freshly initialised, untrained network; pass "
+                    "--ckpt_path best, last or a checkpoint file to use trained weights"
+                )
             return
         allow_remote = bool(self.config[self.subcommand].get("allow_remote_ckpt"))
         checkpoint = self._load(ckpt_path, allow_remote)

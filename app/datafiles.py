@@ -103,7 +103,7 @@ class FashionMNISTFiles:
                 ) from None
             rank_zero_warn(
                 "\n" + "!" * 100 + f"\n  Fashion-MNIST is not in {self.real_dir} and could not be downloaded "
-                f"({type(err).__name__}).\n  Training on the SYNTHETIC stand-in instead (--data.source=auto). "
+                f"({type(err).__name__}).\n  Using the SYNTHETIC stand-in instead (--data.source=auto). "
                 "Its accuracy says nothing about Fashion-MNIST.\n" + "!" * 100
             )
             self.write_synthetic()

@@ -1,6 +1,7 @@
 """fit -> validate -> test -> predict through the real cli.py, on the tiny network and synthetic data."""
 
 import csv
+import logging
 import os
 import subprocess
 import sys
@@ -58,6 +59,15 @@ def test_fit_validate_test_predict_through_cli(workdir, data_dir):
     (test_acc,) = epoch_values(rows, "test/acc")
     assert 0.0 <= test_acc <= 1.0
     run_cli("predict", *base, "--ckpt_path", ckpt)
+
+
+def test_validate_without_ckpt_path_says_the_network_is_untrained(workdir, data_dir, caplog):
+    base = ["--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--trainer.limit_val_batches=1"]
+    with caplog.at_level(logging.INFO):
+        run_cli("validate", *base)
+    assert (
+        "no --ckpt_path: validate uses a freshly initialised, untrained network; pass --ckpt_path best" in caplog.text
+    )
 
 
 @pytest.mark.slow
