@@ -126,10 +126,12 @@ class Parser(LightningArgumentParser):
         line = " ".join(message.split())
         flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
         unknown = re.findall(r"(--[\w.\-]+)", line) if "nrecognized" in line else []
+        # a key of a YAML config: "... does not accept option 'trainer.max_epoch'"
+        unknown += ["--" + key for key in re.findall(r"does not accept option '([\w.\-]+)'", line)]
         for flag in unknown:
             close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.75)
             if close:
-                line += f" (did you mean {close[0]}?)"
+                line += f" (did you mean {close[0] if flag in line else close[0][2:]}?)"
                 break
         prog = parser.prog.replace(" [options]", "")
         raise UserError(f"{line}; see: python {prog} --help")

@@ -420,7 +420,7 @@ BAD_INPUT = {
     "batch_size=0": (["--data.batch_size=0"], "--data.batch_size"),
     "unknown strategy": (["--trainer.strategy=dpp"], "--trainer.strategy='dpp'"),
     "unknown key": (["--trainer.max_epoch=3"], "--trainer.max_epoch"),
-    "YAML key typo": (["--config=typo.yaml"], "trainer.max_epoch"),
+    "YAML key typo": (["--config=typo.yaml"], "'trainer.max_epoch' (did you mean trainer.max_epochs?)"),
     "YAML syntax": (["--config=broken.yaml"], "broken.yaml: not valid YAML (line 3"),
     "missing checkpoint": (["--ckpt_path=nothere.ckpt"], "nothere.ckpt: no such checkpoint file"),
     "truncated checkpoint": (["--ckpt_path=truncated.ckpt"], "truncated.ckpt: not a loadable checkpoint"),
