@@ -24,7 +24,15 @@ from app.callbacks import RankWatchdog
 from app.callbacks.elastic import ElasticRunFolder
 from app.checkpoint_io import SafeCheckpointIO
 from app.data import FashionMNISTDataModule
-from app.elastic import TorchrunJob, keep_metrics_for_restart, run_of, take_launcher_numbers, torchrun_job
+from app.elastic import (
+    TorchrunJob,
+    agent_id,
+    finished_run_of,
+    keep_metrics_for_restart,
+    run_of,
+    take_launcher_numbers,
+    torchrun_job,
+)
 from app.errors import UserError
 from app.model import ARCH_KEYS, DEFAULT_SGD, ImageClassifier, check_compatible, load_checkpoint
 from app.run_dir import check_writable, claim_versions, folder_logger_root, is_first_process, release_if_unused
@@ -229,6 +237,14 @@ class CLI(LightningCLI):
         for logger in loggers:
             root = folder_logger_root(logger)
             version = None if root is None else run_of(root, job)
+            if version is None and root is not None:
+                done = finished_run_of(root, job, agent_id())
+                if done is not None:
+                    rank_zero_info(
+                        f"torchrun restarted the job after its run finished ({root}/version_{done}, marked finished; "
+                        "a worker failed after training, e.g. at exit): nothing left to train"
+                    )
+                    raise SystemExit(0)
             if version is None or root in continued:
                 continue
             continued[root] = version

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,10 +111,32 @@ def _count(devices) -> int:
     return len([d for d in text.split(",") if d.strip()]) if "," in text else int(text)
 
 
-def mark_run(folder: Path, job: TorchrunJob, finished: bool = False) -> None:
+def agent_id() -> str:
+    """This worker's torchrun agent: its host and process id (the agent starts the worker, and restarts it with the
+    same process id; a new ``torchrun`` command is another agent)."""
+    return f"{socket.gethostname()}:{os.getppid()}"
+
+
+def mark_run(folder: Path, job: TorchrunJob, finished: bool = False, agents: list[str] = ()) -> None:
     """Name ``folder`` as the run of this torchrun job, for its restarts to find (``finished`` once it trained to
-    the end: a later job with the same rendezvous id then starts a run of its own)."""
-    (folder / MARKER).write_text(json.dumps({"rdzv_id": job.run_id, "finished": finished}) + "\n")
+    the end: a later job with the same rendezvous id then starts a run of its own). ``agents`` are the agents of
+    the job's ranks: a restart by one of them after the run finished has nothing left to train."""
+    marker = {"rdzv_id": job.run_id, "finished": finished, "agents": sorted(set(agents))}
+    (folder / MARKER).write_text(json.dumps(marker) + "\n")
+
+
+def _marked_runs(root: Path, job: TorchrunJob) -> dict[int, dict]:
+    """``{version: marker}`` of the run folders under ``root`` that a start of a job with this id marked."""
+    found = {}
+    for folder in root.glob("version_*"):
+        match = re.fullmatch(r"version_(\d+)", folder.name)
+        try:
+            marker = json.loads((folder / MARKER).read_text())
+        except (OSError, ValueError):
+            continue
+        if match and isinstance(marker, dict) and marker.get("rdzv_id") == job.run_id:
+            found[int(match[1])] = marker
+    return found
 
 
 def run_of(root: Path, job: TorchrunJob) -> int | None:
@@ -121,16 +144,15 @@ def run_of(root: Path, job: TorchrunJob) -> int | None:
 
     Looked up at every start, not only when ``TORCHELASTIC_RESTART_COUNT`` > 0: torchrun does not count a restart
     for a node that joins, and those restarts must continue the run too."""
-    found = []
-    for folder in root.glob("version_*"):
-        match = re.fullmatch(r"version_(\d+)", folder.name)
-        try:
-            marker = json.loads((folder / MARKER).read_text())
-        except (OSError, ValueError):
-            continue
-        if match and marker.get("rdzv_id") == job.run_id and not marker.get("finished"):
-            found.append(int(match[1]))
-    return max(found, default=None)
+    return max((v for v, marker in _marked_runs(root, job).items() if not marker.get("finished")), default=None)
+
+
+def finished_run_of(root: Path, job: TorchrunJob, agent: str) -> int | None:
+    """The version number of the newest finished run under ``root`` that this very job trained (``agent`` was one
+    of its agents), or None. A worker that fails after the run finished (at exit) makes torchrun restart the job;
+    that restart must not train a new run."""
+    finished = [v for v, m in _marked_runs(root, job).items() if m.get("finished") and agent in m.get("agents", [])]
+    return max(finished, default=None)
 
 
 def keep_metrics_for_restart(folder: Path) -> None:

@@ -7,6 +7,7 @@ c10d rendezvous), and Lightning's own ddp launcher. Which samples each rank trai
 
 import csv
 import json
+import logging
 import math
 import os
 import re
@@ -22,11 +23,11 @@ import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from app.elastic import run_of, take_launcher_numbers, torchrun_job
+from app.elastic import agent_id, finished_run_of, mark_run, run_of, take_launcher_numbers, torchrun_job
 from app.errors import UserError
 from app.loader import ResumableLoader, ResumableSampler
 from app.model import CHECKPOINT_FORMAT, DEFAULT_SGD, FORMAT_KEY, check_compatible, load_checkpoint
-from tests.conftest import CPU_TEST_CONFIG, ROOT
+from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
 from tests.record_samples import read_records
 
 SAMPLES, BATCH = 48, 4  # a training set of 48 (val_size = 60000 - 48), 4 per device: 6 steps an epoch on 2 devices
@@ -122,8 +123,9 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == final["global_step"] - 1
     assert {row["epoch"] for row in rows if row["val/acc"]} == {"0", "1"}  # both epochs' validation, one file
     assert (run / "config.yaml").is_file() and (run / "config.restart1.yaml").is_file()
-    # finished: a later job with the same --rdzv-id starts a run of its own
-    assert json.loads((run / "elastic.json").read_text()) == {"rdzv_id": "elastic-test", "finished": True}
+    # finished: a later job with the same --rdzv-id starts a run of its own; a restart by this job's agent does not
+    marker = json.loads((run / "elastic.json").read_text())
+    assert marker["rdzv_id"] == "elastic-test" and marker["finished"] is True and len(marker["agents"]) == 1
 
     kill = max(r["time"] for r in recorded if r["world"] == 2 and r["rank"] == 1)
     first_after = min(r["time"] for r in recorded if r["world"] == 1)
@@ -176,7 +178,8 @@ def test_a_node_that_joins_mid_epoch_is_taken_in_and_each_sample_trained_once(tm
         steps = [int(row["step"]) for row in csv.DictReader(f)]
     assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == final["global_step"] - 1
     assert (run / "config.yaml").is_file() and (run / "config.rejoined.yaml").is_file()
-    assert json.loads((run / "elastic.json").read_text()) == {"rdzv_id": "elastic-test", "finished": True}
+    marker = json.loads((run / "elastic.json").read_text())
+    assert marker["rdzv_id"] == "elastic-test" and marker["finished"] is True and len(marker["agents"]) == 2
     first_at_two = min(r["time"] for r in read_records(records) if r["world"] == 2)
     print(f"\nfrom starting the joining agent to the first batch on two nodes: {first_at_two - joined:.1f} s")
 
@@ -348,6 +351,26 @@ def test_the_run_folder_is_marked_after_every_rank_decided_and_a_disagreement_is
 
     first.on_fit_end(rank_of_two(0, {}), None)
     assert run_of(root, job) is None  # finished: a later job with this id starts a run of its own
+    assert finished_run_of(root, job, agent_id()) == 3  # ... but a restart by this job's agent finds it finished
+    assert finished_run_of(root, job, "otherhost:1") is None
+
+
+def test_a_restart_after_the_run_finished_trains_nothing(monkeypatch, tmp_path, caplog):
+    """A worker that fails after the run finished (it died at exit) makes torchrun restart the job: the restart
+    exits 0 with one line instead of training a new run from scratch; a new torchrun command (another agent) with
+    the same --rdzv-id starts its own run."""
+    torchrun_env(monkeypatch, world=1, local=1, restart=1)
+    job, logs = torchrun_job(), tmp_path / "lightning_logs"
+    (logs / "version_0").mkdir(parents=True)
+    mark_run(logs / "version_0", job, finished=True, agents=[agent_id()])
+    base = ["--config", str(CPU_TEST_CONFIG), f"--trainer.default_root_dir={tmp_path}", "--trainer.strategy=ddp"]
+    with pytest.raises(SystemExit) as stop, caplog.at_level(logging.INFO):
+        run_cli("fit", *base)
+    assert stop.value.code == 0
+    assert "torchrun restarted the job after its run finished" in caplog.text
+    assert sorted(p.name for p in logs.iterdir()) == ["version_0"]
+    mark_run(logs / "version_0", job, finished=True, agents=["otherhost:1"])
+    assert finished_run_of(logs, job, agent_id()) is None  # another job's run: this start trains its own
 
 
 def test_torchrun_refuses_more_minimum_nodes_than_maximum(tmp_path):

@@ -24,12 +24,21 @@ import csv
 import warnings
 from pathlib import Path
 
+import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.callbacks.progress import console_print
-from app.elastic import MARKER, METRICS_BEFORE_RESTART, TorchrunJob, mark_run, restarts_possible, torchrun_job
+from app.elastic import (
+    MARKER,
+    METRICS_BEFORE_RESTART,
+    TorchrunJob,
+    agent_id,
+    mark_run,
+    restarts_possible,
+    torchrun_job,
+)
 from app.errors import UserError
 from app.loader import ResumableLoader
 
@@ -216,6 +225,7 @@ class ElasticRunFolder(Callback):
         self.claimed = list(claimed)  # rank 0's new version folders (empty elsewhere and on a continued run)
         self.continued = dict(continued)  # logger root -> the version this start goes on writing
         self.ckpt_path = ckpt_path
+        self.agents = [agent_id()]  # the torchrun agents of the job's ranks, gathered once the process group formed
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
@@ -228,9 +238,13 @@ class ElasticRunFolder(Callback):
                 f"torchrun start: the ranks disagree on the run they continue (rank 0 continues {what}); the runs' "
                 "folder (--trainer.default_root_dir) must be one that every node sees, on a shared filesystem"
             )
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            agents = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(agents, agent_id())
+            self.agents = agents
         if trainer.is_global_zero:
             for folder in self.claimed:
-                mark_run(folder, self.job)  # for the restarts to find
+                mark_run(folder, self.job, agents=self.agents)  # for the restarts to find
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
@@ -238,4 +252,4 @@ class ElasticRunFolder(Callback):
         folders = self.claimed + [root / f"version_{v}" for root, v in self.continued.items()]
         for folder in folders:
             if (folder / MARKER).is_file():
-                mark_run(folder, self.job, finished=True)  # a later job with this id starts a run of its own
+                mark_run(folder, self.job, finished=True, agents=self.agents)  # a later job starts its own run
