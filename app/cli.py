@@ -394,6 +394,8 @@ class CLI(LightningCLI):
                 f"{ckpt_path}: holds the network's weights but no optimizer state (written with save_weights_only), "
                 "so fit cannot resume from it; validate, test, predict and export accept it"
             )
+        if self.subcommand == "fit":
+            nothing_left_to_train(checkpoint, ckpt_path, self.trainer)
         prefix = f"--ckpt_path {given}: " if given != ckpt_path else ""
         if ckpt_path == self._elastic_ckpt:
             job = torchrun_job()
@@ -412,6 +414,22 @@ class CLI(LightningCLI):
         if "://" not in str(ckpt_path):
             ckpt_path = str(Path(ckpt_path).resolve())
         config["ckpt_path"] = self.config[self.subcommand]["ckpt_path"] = ckpt_path
+
+
+def nothing_left_to_train(checkpoint: dict, ckpt_path: str, trainer) -> None:
+    """A resume whose checkpoint already reached ``max_epochs`` or ``max_steps`` trains nothing (Lightning's fit loop
+    is done before it starts): say so in one line and exit 0, leaving no run folder, instead of a silent empty run.
+    Exit 0, not an error: a restart loop (``until cli.py fit ... --ckpt_path last``) ends when the run has."""
+    epochs = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    epochs, step = epochs.get("processed", 0), checkpoint.get("global_step", 0)
+    if trainer.max_epochs not in (None, -1) and epochs >= trainer.max_epochs:
+        reached, more = f"{epochs} epoch(s), --trainer.max_epochs={trainer.max_epochs}", "--trainer.max_epochs"
+    elif trainer.max_steps not in (None, -1) and step >= trainer.max_steps:
+        reached, more = f"step {step}, --trainer.max_steps={trainer.max_steps}", "--trainer.max_steps"
+    else:
+        return
+    rank_zero_info(f"{ckpt_path}: already trained {reached}; nothing left to train. Pass a larger {more} to go on")
+    raise SystemExit(0)
 
 
 def log_root(trainer) -> Path:

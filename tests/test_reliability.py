@@ -226,17 +226,29 @@ def test_a_resume_uses_the_training_settings_given_and_records_them(workdir, dat
     assert last_ckpt(v1)["optimizer_states"][0]["param_groups"][0]["lr"] == 0.01
 
 
-def test_ckpt_path_last_with_no_run_yet_starts_fresh_in_process(workdir, data_dir, caplog):
+def test_ckpt_path_last_with_no_run_yet_starts_fresh_and_a_finished_run_trains_nothing(workdir, data_dir, caplog):
+    base = ("fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}")
     with caplog.at_level("INFO"):
-        run_cli("fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}", "--trainer.max_epochs=1")
+        run_cli(*base, "--trainer.max_epochs=1")
     caplog.clear()
     with caplog.at_level("INFO"):
-        run_cli(
-            *("fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}", "--trainer.max_epochs=2"),
-            "--ckpt_path=last",
-        )
+        run_cli(*base, "--trainer.max_epochs=2", "--ckpt_path=last")
     assert "resuming from lightning_logs/version_0/checkpoints/last.ckpt" in caplog.text
     assert last_ckpt(versions(workdir)[-1])["global_step"] == 2 * STEPS_PER_EPOCH
+
+    # the same command again: the run already reached max_epochs; one line, exit 0, no empty run folder
+    for limits, line in [
+        (["--trainer.max_epochs=2"], "already trained 2 epoch(s), --trainer.max_epochs=2; nothing left to train"),
+        (
+            ["--trainer.max_epochs=5", "--trainer.max_steps=5"],
+            f"already trained step {2 * STEPS_PER_EPOCH}, --trainer.max_steps=5; nothing left to train",
+        ),
+    ]:
+        caplog.clear()
+        with caplog.at_level("INFO"), pytest.raises(SystemExit) as stop:
+            run_cli(*base, *limits, "--ckpt_path=last")
+        assert stop.value.code == 0 and line in caplog.text
+        assert len(versions(workdir)) == 2
 
 
 # ------------------------------------------------------------------------------------------------ processes
