@@ -142,6 +142,9 @@ class Parser(LightningArgumentParser):
                 line += f" (did you mean {close[0] if flag in line else close[0][2:]}?)"
                 break
         prog = parser.prog.replace(" [options]", "")
+        script, _, rest = prog.partition(" ")
+        if Path(sys.argv[0]).name == script:  # the script as the user typed it: from another folder, its path
+            prog = f"{sys.argv[0]} {rest}".strip()
         raise UserError(f"{line}; see: python {prog} --help")
 
     def add_method_arguments(self, *args, **kwargs):

@@ -194,6 +194,10 @@ def test_cli_mistakes_get_one_line_with_the_fix(capsys, tmp_path):
     assert "did you mean --model.optimizer?" in one_line_error(capsys, "fit", "--optimizer=Adam")
     line = one_line_error(capsys, "fit", "--data.source=fashion_mnist", f"--data.data_dir={tmp_path}")
     assert "--data.source=synthetic" in line
+    # run from another folder, the help it points to is the script's path as typed
+    typo = run([sys.executable, str(ROOT / "cli.py"), "fit", "--trainer.max_epoch=1"], cwd=tmp_path)
+    assert typo.returncode == 2
+    assert typo.stderr.strip().endswith(f"; see: python {ROOT / 'cli.py'} fit --help"), typo.stderr
 
 
 def test_help_names_the_tools_and_what_ckpt_path_takes(capsys):
