@@ -180,6 +180,13 @@ class CLI(LightningCLI):
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         self.parser.epilog = TOOLS_EPILOG  # plot and export are ours, dispatched in main()
 
+    def parse_arguments(self, parser, args) -> None:
+        """Lightning's, with a strategy's options accepted after its short name (:func:`strategy_options_by_name`)."""
+        argv = sys.argv[1:] if args is None else args
+        if not isinstance(argv, list):
+            return super().parse_arguments(parser, args)
+        self.config = parser.parse_args(strategy_options_by_name(argv))
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults(
             {
@@ -583,6 +590,39 @@ def check_config_files(argv: list[str]) -> None:
                 where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
                 problem = getattr(err, "problem", None) or str(err).splitlines()[0]
                 raise UserError(f"{path}: not valid YAML ({where.strip()} {problem}); fix the file") from None
+
+
+def strategy_options_by_name(argv: list[str]) -> list[str]:
+    """``--trainer.strategy=horovod --trainer.strategy.op=adasum`` works: jsonargparse takes a strategy's options
+    only after its class path, so a registered name followed by options is replaced by its class path (and the
+    registry's preset options for that name, which the user's own options then override)."""
+    if not any(a.startswith("--trainer.strategy.") for a in argv):
+        return argv
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        if arg.startswith("--trainer.strategy="):
+            at, name = i, arg.split("=", 1)[1]
+        elif arg == "--trainer.strategy" and i + 1 < len(argv):
+            at, name = i + 1, argv[i + 1]
+        else:
+            continue
+        # the registry's .get() builds the strategy; the entry itself is what is wanted here
+        entry = StrategyRegistry[name] if name in StrategyRegistry else None  # noqa: SIM401
+        presets = entry["init_params"] if entry else {}
+        if entry is None or not all(isinstance(v, str | int | float | bool) for v in presets.values()):
+            continue
+        cls = entry["strategy"]
+        class_path = f"{cls.__module__}.{cls.__qualname__}"
+        out[at] = f"--trainer.strategy={class_path}" if at == i else class_path
+        out[at + 1 : at + 1] = [f"--trainer.strategy.{k}={_yaml_value(v)}" for k, v in presets.items()]
+        return out
+    return argv
+
+
+def _yaml_value(value: str | int | float | bool) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # Subcommands that are not Lightning's: they take their own flags (``python cli.py plot --help``).

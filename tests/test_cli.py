@@ -102,6 +102,27 @@ def test_print_config_reruns_to_the_same_config(workdir, capsys):
     assert config["model"]["optimizer"]["class_path"] == "torch.optim.SGD"
 
 
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [
+        (["--trainer.strategy=horovod", "--trainer.strategy.op=adasum"], {"op": "adasum", "fusion_mb": 64.0}),
+        # a registered name with preset options keeps them; the user's own options come after and win
+        (
+            ["--trainer.strategy", "ddp_find_unused_parameters_true", "--trainer.strategy.timeout=0:10:00"],
+            {"find_unused_parameters": True, "timeout": "0:10:00"},
+        ),
+    ],
+    ids=["horovod", "registry preset"],
+)
+def test_a_strategy_name_takes_the_strategy_options(flags, want, workdir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", *flags, "--print_config")
+    assert exit_info.value.code == 0
+    strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
+    assert strategy["class_path"].endswith(("HorovodStrategy", "DDPStrategy"))
+    assert {k: strategy["init_args"][k] for k in want} == want
+
+
 @pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_preset_parses(config, workdir, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -16,11 +16,11 @@ Backends (``--trainer.strategy.backend``, or ``HorovodStrategy(backend=...)``):
 Horovod semantics, on both backends:
 
 - at start, parameters, buffers and optimizer state are broadcast from rank 0;
-- gradients are reduced like ``hvd.DistributedOptimizer``: a hook on every parameter starts an asynchronous
-  allreduce as soon as its gradient is ready during backward (in a fixed order, the same on every rank), and all are
-  waited for after backward, before ``optimizer.step()``;
-- ``op`` (``average`` or ``sum``), ``compression`` (``none``, ``fp16``, ``bf16``: the gradient travels in 16 bits)
-  and ``gradient_predivide_factor`` (divide by f before the sum and by size/f after) mean what they mean in Horovod;
+- gradients are reduced like ``hvd.DistributedOptimizer``, in fusion buckets (``fusion_mb``, Tensor Fusion) whose
+  allreduce starts during backward as soon as the bucket is complete, all waited for before ``optimizer.step()``;
+- ``op`` (``average``, ``sum``, or ``adasum`` of the local optimizer steps), ``compression`` (``none``, ``fp16``,
+  ``bf16``: what travels is 16 bits wide) and ``gradient_predivide_factor`` (divide by f before the sum and by
+  size/f after) mean what they mean in Horovod; the reductions live in :mod:`app.reductions`;
 - with ``accumulate_grad_batches=k``, gradients are communicated once per optimizer step, not every batch;
 - ``barrier()`` is a real barrier; ``reduce``/``all_gather``/``broadcast`` serve metrics and logging;
 - the learning rate is NOT scaled by the number of ranks behind your back (Lightning 1.x did that); scale it
@@ -42,12 +42,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from app.errors import UserError
+from app.reductions import WIRE_DTYPES, AdasumDelta, Compression, GradientAllreduce, ReduceOp, is_power_of_two
 from app.strategies.launch import MPILaunchEnvironment, MPIRunLauncher, launcher_ranks
 
 Backend = Literal["auto", "horovod", "mpi"]
-Compression = Literal["none", "fp16", "bf16"]
-ReduceOp = Literal["average", "sum"]
-_WIRE_DTYPES = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def horovod_available() -> bool:
@@ -67,6 +65,7 @@ class HorovodStrategy(ParallelStrategy):
         compression: Compression = "none",
         op: ReduceOp = "average",
         gradient_predivide_factor: float = 1.0,
+        fusion_mb: float = 64.0,
         timeout: float = 1800.0,
         accelerator=None,
         parallel_devices=None,
@@ -76,19 +75,26 @@ class HorovodStrategy(ParallelStrategy):
         """
         Args:
             backend: ``auto`` (horovod when importable, else mpi), ``horovod`` or ``mpi``.
-            compression: Gradient wire format: ``none``, ``fp16`` or ``bf16``.
-            op: ``average`` (Horovod's default) or ``sum`` of the ranks' gradients.
+            compression: Wire format of what the ranks exchange: ``none``, ``fp16`` or ``bf16``.
+            op: ``average`` (Horovod's default) or ``sum`` of the ranks' gradients, or ``adasum`` of their
+                optimizer steps (needs a power-of-two number of ranks).
             gradient_predivide_factor: Divide gradients by this before the sum, and by size/this after.
+            fusion_mb: Gradients are allreduced in buckets of up to this many MiB (Horovod's Tensor Fusion,
+                HOROVOD_FUSION_THRESHOLD); 0 sends every gradient on its own.
             timeout: Seconds a collective may wait for the other ranks before the run fails.
         """
         if backend not in Backend.__args__:
             raise UserError(f"--trainer.strategy.backend={backend!r} must be one of {', '.join(Backend.__args__)}")
-        if compression not in _WIRE_DTYPES:
+        if compression not in WIRE_DTYPES:
             raise UserError(f"--trainer.strategy.compression={compression!r} must be one of none, fp16, bf16")
         if op not in ReduceOp.__args__:
-            raise UserError(f"--trainer.strategy.op={op!r} must be 'average' or 'sum'")
-        if gradient_predivide_factor <= 0 or (op == "sum" and gradient_predivide_factor != 1.0):
-            raise UserError("--trainer.strategy.gradient_predivide_factor must be > 0, and 1.0 with op=sum")
+            raise UserError(f"--trainer.strategy.op={op!r} must be one of {', '.join(ReduceOp.__args__)}")
+        if gradient_predivide_factor <= 0 or (op != "average" and gradient_predivide_factor != 1.0):
+            raise UserError(
+                "--trainer.strategy.gradient_predivide_factor must be > 0, and 1.0 unless --trainer.strategy.op=average"
+            )
+        if fusion_mb < 0:
+            raise UserError(f"--trainer.strategy.fusion_mb={fusion_mb} must be >= 0 (0: no fusion)")
         if backend == "horovod" and not horovod_available():
             raise UserError(
                 "--trainer.strategy.backend=horovod needs the horovod package, which is not importable (its last "
@@ -96,10 +102,12 @@ class HorovodStrategy(ParallelStrategy):
             )
         self.backend = ("horovod" if horovod_available() else "mpi") if backend == "auto" else backend
         self.compression, self.op, self.predivide, self.timeout = compression, op, gradient_predivide_factor, timeout
+        self.fusion_mb = fusion_mb
         environment = MPILaunchEnvironment() if MPILaunchEnvironment.detect() else None
         super().__init__(accelerator, parallel_devices, environment, checkpoint_io, precision_plugin)
         self._num_nodes = 1
         self._grad_sync: GradientAllreduce | None = None
+        self._adasum: AdasumDelta | None = None
         if environment is not None:  # so that only rank 0 prints and logs from the very start
             rank_zero_only.rank = environment.global_rank()
 
@@ -160,6 +168,7 @@ class HorovodStrategy(ParallelStrategy):
                     "node by a launcher: horovodrun -np 8 -H a:4,b:4 python cli.py fit ..."
                     " or mpirun -np 8 -H a:4,b:4 ..."
                 )
+            self._check_adasum_world_size(self.num_processes)
             self._launcher = MPIRunLauncher(self) if self.num_processes > 1 else None
             return
         world, _, _, local_size = ranks
@@ -174,7 +183,16 @@ class HorovodStrategy(ParallelStrategy):
                 f"mpirun started {world} processes, {local_size} per node, but --trainer.num_nodes={self.num_nodes}: "
                 f"pass --trainer.num_nodes={world // local_size}"
             )
+        self._check_adasum_world_size(world)
         self._launcher = None
+
+    def _check_adasum_world_size(self, world_size: int) -> None:
+        if self.op == "adasum" and not is_power_of_two(world_size):
+            raise UserError(
+                f"--trainer.strategy.op=adasum combines ranks in pairs (0+1, 2+3, then the pairs' results), so it "
+                f"needs a power-of-two number of ranks; this run has {world_size}: use "
+                f"{1 << (world_size.bit_length() - 1)} or {1 << world_size.bit_length()} ranks, or op=average"
+            )
 
     def enter_mpi_launch(self) -> None:
         """In a rank started by :class:`MPIRunLauncher`: take the ranks from the launch."""
@@ -205,7 +223,7 @@ class HorovodStrategy(ParallelStrategy):
             )
         rank_zero_info(
             f"horovod strategy: backend={self.backend}, {self.world_size} ranks, compression={self.compression}, "
-            f"op={self.op}"
+            f"op={self.op}, fusion_mb={self.fusion_mb:g}"
         )
 
     def setup(self, trainer) -> None:
@@ -221,6 +239,9 @@ class HorovodStrategy(ParallelStrategy):
                     dist.broadcast(tensor.data, src=0)
         if self.optimizers:
             self._broadcast_optimizer_state()
+        if self.optimizers and self.world_size > 1 and self.op == "adasum":
+            self._adasum = AdasumDelta(self.backend, self.compression)
+        elif self.optimizers and self.world_size > 1:
             self._grad_sync = GradientAllreduce(
                 [p for p in module.parameters() if p.requires_grad],
                 self.backend,
@@ -228,6 +249,7 @@ class HorovodStrategy(ParallelStrategy):
                 self.op,
                 self.compression,
                 self.predivide,
+                fusion_bytes=int(self.fusion_mb * 2**20),
             )
 
     def _broadcast_optimizer_state(self) -> None:
@@ -263,6 +285,13 @@ class HorovodStrategy(ParallelStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._grad_sync is not None and self._grad_sync.enabled:
             self._grad_sync.synchronize()
+
+    def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
+        """With ``op=adasum``: a local step, then the ranks' weight deltas combined (see :class:`AdasumDelta`)."""
+        if self._adasum is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        with self._adasum.step(optimizer):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # ---------------------------------------------------------------- collectives
     def barrier(self, name: str | None = None) -> None:
@@ -308,78 +337,10 @@ class HorovodStrategy(ParallelStrategy):
         if self._grad_sync is not None:
             self._grad_sync.remove()
             self._grad_sync = None
+        self._adasum = None
         super().teardown()
         if self._launched and _group_ready():
             dist.destroy_process_group()
-
-
-class GradientAllreduce:
-    """Horovod's DistributedOptimizer mechanism: an async allreduce per gradient, started during backward.
-
-    Hooks run when a parameter's gradient has been accumulated. Allreduces are started in one fixed order
-    (reverse registration order, which is roughly the order backward produces them), so every rank issues the
-    same collectives in the same sequence even if its gradients become ready in a different order; a gradient
-    that is ready early waits for its predecessors. :meth:`synchronize` starts what is left (unused parameters
-    contribute zeros), waits for all, and writes the reduced gradients back.
-    """
-
-    def __init__(
-        self, params: list[Tensor], backend: str, world_size: int, op: str, compression: str, predivide: float
-    ):
-        self.order = list(reversed(params))
-        self.backend, self.world_size = backend, world_size
-        self.wire_dtype = _WIRE_DTYPES[compression]
-        self.prescale = 1.0 / predivide
-        self.postscale = predivide / world_size if op == "average" else 1.0
-        self.enabled = True
-        self._ready: set[int] = set()
-        self._next = 0
-        self._pending: list[tuple[Tensor, Tensor, Any]] = []
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
-
-    def _on_grad_ready(self, param: Tensor) -> None:
-        if not self.enabled:
-            return
-        self._ready.add(id(param))
-        while self._next < len(self.order) and id(self.order[self._next]) in self._ready:
-            self._start(self.order[self._next])
-            self._next += 1
-
-    def _start(self, param: Tensor) -> None:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        wire = param.grad.to(self.wire_dtype) if self.wire_dtype is not None else param.grad.clone()
-        if self.prescale != 1.0:
-            wire.mul_(self.prescale)
-        if self.backend == "horovod":
-            import horovod.torch as hvd
-
-            handle = hvd.allreduce_async_(wire, op=hvd.Sum)
-        else:
-            handle = dist.all_reduce(wire, op=dist.ReduceOp.SUM, async_op=True)
-        self._pending.append((param, wire, handle))
-
-    def synchronize(self) -> None:
-        while self._next < len(self.order):
-            self._start(self.order[self._next])
-            self._next += 1
-        for param, wire, handle in self._pending:
-            if self.backend == "horovod":
-                import horovod.torch as hvd
-
-                hvd.synchronize(handle)
-            else:
-                handle.wait()
-            param.grad.copy_(wire)  # back to the gradient's dtype before scaling: no 16-bit rounding twice
-            if self.postscale != 1.0:
-                param.grad.mul_(self.postscale)
-        self._pending.clear()
-        self._ready.clear()
-        self._next = 0
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
 
 
 def _group_ready() -> bool:

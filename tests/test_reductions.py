@@ -1,0 +1,183 @@
+"""The horovod strategy's reductions (app/reductions.py) against this file's own implementation of Horovod's rules.
+
+tests/reduction_run.py trains a small float64 network under mpirun with each reduction and records, on every rank,
+its start weights, the sample ids of its batches and its final weights. The tests here replay those batches on
+one process per rank, reduce with the formulas written out below, and compare.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from app.errors import UserError
+from app.reductions import adasum, fusion_buckets
+from app.strategies import HorovodStrategy
+from tests import reduction_run
+from tests.conftest import ROOT
+from tests.parity import MPI_ENV, MPIRUN
+
+# float64 end to end: the strategy and the replay differ only in summation order (~1e-16).
+TOLERANCE = 1e-10
+
+
+def adasum_pair(a: list[torch.Tensor], b: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Horovod's Adasum of two ranks' tensors, one tensor at a time, written out in Python floats."""
+    out = []
+    for x, y in zip(a, b, strict=True):
+        dot, xx, yy = float((x * y).sum()), float((x * x).sum()), float((y * y).sum())
+        cx = 1.0 - dot / xx * 0.5 if xx >= 1e-8 else 1.0
+        cy = 1.0 - dot / yy * 0.5 if yy >= 1e-8 else 1.0
+        out.append(cx * x + cy * y)
+    return out
+
+
+def adasum_tree(per_rank: list[list[torch.Tensor]], wire: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Ranks 0+1, 2+3, ..., then the pairs' results, until one is left; with a wire dtype, inputs rounded to it."""
+    level = per_rank
+    while len(level) > 1:
+        if wire is not None:
+            level = [[t.to(wire).double() for t in tensors] for tensors in level]
+        level = [adasum_pair(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+    return level[0]
+
+
+def replay(records: list[dict], op: str, accumulate: int = 1, wire: torch.dtype | None = None) -> dict:
+    """Train one copy of the network per rank on that rank's recorded batches, and reduce as ``op`` says."""
+    data = reduction_run.Samples()
+    nets = [reduction_run.Net().double() for _ in records]
+    for net in nets:
+        net.load_state_dict(records[0]["start"])
+    optimizers = [torch.optim.SGD(n.parameters(), lr=reduction_run.LR, momentum=reduction_run.MOMENTUM) for n in nets]
+    for step in range(reduction_run.STEPS):
+        start = [p.detach().clone() for p in nets[0].parameters()]
+        for net, optimizer, record in zip(nets, optimizers, records, strict=True):
+            optimizer.zero_grad()
+            for micro in range(accumulate):
+                ids = record["batches"][step * accumulate + micro]
+                loss = nn.functional.cross_entropy(net(data.x[ids]), data.y[ids]) / accumulate
+                loss.backward()
+        with torch.no_grad():
+            if op == "average":
+                for params in zip(*(n.parameters() for n in nets), strict=True):
+                    mean = sum(p.grad for p in params) / len(params)
+                    for p in params:
+                        p.grad = mean.clone()
+                for optimizer in optimizers:
+                    optimizer.step()
+            else:
+                for optimizer in optimizers:
+                    optimizer.step()
+                deltas = [[p - s for p, s in zip(n.parameters(), start, strict=True)] for n in nets]
+                combined = adasum_tree(deltas, wire)
+                for net in nets:
+                    for p, s, d in zip(net.parameters(), start, combined, strict=True):
+                        p.copy_(s + d)
+    return nets[0].state_dict()
+
+
+def relative_error(got: dict, want: dict) -> float:
+    diff = sum(((got[k] - want[k]) ** 2).sum() for k in want)
+    return float((diff / sum((want[k] ** 2).sum() for k in want)).sqrt())
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def recorded(request, tmp_path_factory):
+    """One mpirun launch per world size runs every variant of tests/reduction_run.py."""
+    ranks = request.param
+    out = tmp_path_factory.mktemp(f"reductions{ranks}")
+    cmd = [str(MPIRUN), "-np", str(ranks), "--oversubscribe", sys.executable, str(ROOT / "tests/reduction_run.py")]
+    env = {**os.environ, **MPI_ENV, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([*cmd, str(out)], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+    def load(variant: str) -> list[dict]:
+        return [torch.load(out / f"{variant}.rank{r}.pt", weights_only=True) for r in range(ranks)]
+
+    return load
+
+
+def assert_ranks_agree(records: list[dict]) -> None:
+    for record in records[1:]:
+        for key, value in records[0]["start"].items():
+            assert torch.equal(record["start"][key], value), f"start weights differ: {key}"
+        for key, value in records[0]["final"].items():
+            assert torch.equal(record["final"][key], value), f"final weights differ between ranks: {key}"
+    assert len({tuple(torch.cat(r["batches"]).tolist()) for r in records}) == len(records), "ranks shared batches"
+
+
+@pytest.mark.slow
+def test_fused_average_matches_per_rank_replay(recorded):
+    records = recorded("average_fused")
+    assert_ranks_agree(records)
+    assert relative_error(records[0]["final"], replay(records, "average")) < TOLERANCE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["adasum", "adasum_accumulate"])
+def test_adasum_matches_the_formula_and_is_not_averaging(recorded, variant):
+    records = recorded(variant)
+    accumulate = reduction_run.VARIANTS[variant].get("accumulate", 1)
+    assert_ranks_agree(records)
+    assert relative_error(records[0]["final"], replay(records, "adasum", accumulate)) < TOLERANCE
+    # the same batches averaged end elsewhere: Adasum is not a rescaled mean
+    assert relative_error(records[0]["final"], replay(records, "average", accumulate)) > 1e-2
+
+
+@pytest.mark.slow
+def test_adasum_with_bf16_compression_rounds_what_travels(recorded):
+    records = recorded("adasum_bf16")
+    assert_ranks_agree(records)
+    exact = replay(records, "adasum")
+    rounded = replay(records, "adasum", wire=torch.bfloat16)
+    # what the strategy did is the replay with bf16 on the wire, not the exact one
+    assert relative_error(records[0]["final"], rounded) < TOLERANCE
+    assert relative_error(records[0]["final"], exact) > 100 * TOLERANCE
+
+
+def test_adasum_formula_per_tensor():
+    torch.manual_seed(0)
+    a, b = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    got = adasum(a, b, [3, 5])
+    want = torch.cat(adasum_pair([a[:3], a[3:]], [b[:3], b[3:]]))
+    torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
+    # whole-vector Adasum is not the same thing: the coefficients are per tensor
+    assert not torch.allclose(got, adasum(a, b, [8]))
+
+
+def test_adasum_adds_orthogonal_vectors_and_keeps_equal_ones():
+    x, y = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
+    assert torch.equal(adasum(x, y, [2]), torch.tensor([1.0, 2.0]))
+    assert torch.equal(adasum(y, y, [2]), y)
+    tiny = torch.tensor([1e-5, 0.0])  # squared norm below 1e-8: coefficient 1, no division by ~0
+    assert torch.allclose(adasum(tiny, y, [2]), tiny + y)
+
+
+def test_fusion_buckets_keep_order_size_and_dtype():
+    tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.float64), torch.zeros(1)]
+    assert fusion_buckets(tensors, max_bytes=80) == [[0, 1], [2], [3], [4]]
+    assert fusion_buckets(tensors, max_bytes=0) == [[0], [1], [2], [3], [4]]
+    assert fusion_buckets(tensors, max_bytes=2**20) == [[0, 1, 2], [3], [4]]
+
+
+def test_adasum_needs_a_power_of_two_number_of_ranks():
+    from lightning.pytorch import Trainer
+
+    with pytest.raises(UserError, match=r"op=adasum .* power-of-two .* this run has 3: use 2 or 4 ranks"):
+        Trainer(accelerator="cpu", devices=3, strategy=HorovodStrategy(backend="mpi", op="adasum"), logger=False)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [
+        ({"op": "median"}, "--trainer.strategy.op='median' must be one of average, sum, adasum"),
+        ({"op": "adasum", "gradient_predivide_factor": 2.0}, "gradient_predivide_factor .* unless"),
+        ({"fusion_mb": -1}, "--trainer.strategy.fusion_mb=-1 must be >= 0"),
+    ],
+)
+def test_reduction_options_are_checked(kwargs, flag):
+    with pytest.raises(UserError, match=flag):
+        HorovodStrategy(backend="mpi", **kwargs)
