@@ -95,13 +95,31 @@ def python() -> str:
     return sys.executable
 
 
-SHARED_RUNS = ("bad_input_dir", "run_dir")  # module fixtures whose tests change or read one folder
+# module fixtures whose tests change or read one folder, or share one expensive run (per parameter)
+SHARED_RUNS = ("bad_input_dir", "run_dir", "recorded")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Fail loudly if ``--dist loadgroup`` did not take the groups (xdist marks a grouped test's id with ``@``):
+    the shared runs would silently be made once per worker."""
+    if not session.config.getvalue("loadgroup"):
+        return
+    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist did not group {lost[0]} (pytest {pytest.__version__}); install the dev extras' pins: "
+            "pip install -e '.[dev]'"
+        )
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups (it runs first otherwise)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (``-n``), the tests of one such fixture go to one worker, so its run is made once."""
     for item in items:
         for name in SHARED_RUNS:
             if name in getattr(item, "fixturenames", ()):
-                item.add_marker(pytest.mark.xdist_group(name))
+                params = getattr(item, "callspec", None)
+                param = params.params.get(name) if params else None
+                item.add_marker(pytest.mark.xdist_group(name if param is None else f"{name}-{param}"))
                 break

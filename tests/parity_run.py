@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 import app  # noqa: F401  (registers dp and horovod)
-from app.callbacks import ActivationCheckpointing, LRWarmup, SyncBatchNorm
+from app.callbacks import ActivationCheckpointing, DDPCommHook, LRWarmup, SyncBatchNorm
 from app.data import FashionMNISTDataModule
 from app.model import ImageClassifier
 
@@ -34,6 +34,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--precision", default="64-true", help="64-true: parity independent of summation order")
     parser.add_argument("--sync-bn", action="store_true", help="add the SyncBatchNorm callback")
     parser.add_argument("--checkpointing", action="store_true", help="add the ActivationCheckpointing callback")
+    parser.add_argument("--comm-hook", help="add DDPCommHook with this hook (fp16, bf16, powersgd)")
+    parser.add_argument("--powersgd-rank", type=int, default=1)
+    parser.add_argument("--val-size", type=int, default=101)
     parser.add_argument("--warmup-steps", type=int, default=0, help="add LRWarmup (linear scaling rule) if > 0")
     args = parser.parse_args(argv)
 
@@ -42,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
         callbacks.append(SyncBatchNorm())
     if args.checkpointing:
         callbacks.append(ActivationCheckpointing())
+    if args.comm_hook:
+        callbacks.append(DDPCommHook(hook=args.comm_hook, powersgd_rank=args.powersgd_rank, powersgd_start_iter=2))
     if args.warmup_steps:
         callbacks.append(LRWarmup(warmup_steps=args.warmup_steps, scale_lr="linear", reference_batch=8))
 
@@ -49,7 +54,9 @@ def main(argv: list[str] | None = None) -> None:
     model = ImageClassifier(
         arch="resnet_tiny", norm=args.norm, optimizer=partial(torch.optim.SGD, lr=args.lr, momentum=0.9)
     )
-    data = FashionMNISTDataModule(data_dir=args.data_dir, source="synthetic", batch_size=args.batch_size, val_size=101)
+    data = FashionMNISTDataModule(
+        data_dir=args.data_dir, source="synthetic", batch_size=args.batch_size, val_size=args.val_size
+    )
     strategy = args.strategy
     if args.compression:
         from app.strategies import HorovodStrategy

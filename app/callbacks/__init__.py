@@ -2,6 +2,7 @@
 
 from app.callbacks.activation_checkpointing import ActivationCheckpointing
 from app.callbacks.checkpoint import ModelCheckpoint
+from app.callbacks.ddp_comm_hook import DDPCommHook
 from app.callbacks.divergence import Diverged, StopOnNonFinite
 from app.callbacks.elastic import Elastic
 from app.callbacks.prediction_writer import PredictionWriter
@@ -15,6 +16,7 @@ from app.callbacks.warmup import LRWarmup
 __all__ = [
     "ActivationCheckpointing",
     "AllReduceBatchNorm",
+    "DDPCommHook",
     "Diverged",
     "Elastic",
     "LRWarmup",

@@ -1,0 +1,131 @@
+"""Gradient reduction cost: the horovod strategy's fused allreduce against DDP's buckets, same ranks, same steps.
+
+    python -m bench.reductions                       # CPU: 2 processes on gloo, ResNet-18 and a many-tensor MLP
+    python -m bench.reductions --ranks 2 --steps 20 --repeats 5
+
+Both mechanisms run in the same 2 processes, one after the other in rotating order per repeat, on one model
+copy each with the same start weights and batches:
+
+- ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (25 MiB buckets, its default, overlapping backward);
+- ``horovod fused``: :class:`app.reductions.GradientAllreduce` as the horovod strategy's mpi backend uses it,
+  64 MiB fusion buckets (``--trainer.strategy.fusion_mb`` default), started during backward;
+- ``horovod per tensor``: the same with ``fusion_mb=0`` (one allreduce per gradient, no fusion).
+
+Reports the median step time (forward, backward, reduction, SGD step) of each and its ratio to ddp, and writes
+``bench/results/reductions-cpu.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from statistics import median
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from app.networks import build_resnet
+from app.reductions import GradientAllreduce
+from bench.report import record
+
+VARIANTS = ("ddp", "horovod fused (64 MiB)", "horovod per tensor")
+
+
+def many_tensors() -> nn.Module:
+    """An MLP of 100 narrow blocks: 400 small parameter tensors (where per-tensor allreduces hurt most)."""
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.ReLU()) for _ in range(100)]
+    return nn.Sequential(nn.Flatten(), nn.Linear(28 * 28, 64), *blocks, nn.Linear(64, 10))
+
+
+MODELS = {"resnet18": lambda: build_resnet("resnet18"), "many_tensors (MLP, 400 tensors)": many_tensors}
+
+
+def _step(model: nn.Module, optimizer, x, y, sync: GradientAllreduce | None) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(model(x), y).backward()
+    if sync is not None:
+        sync.synchronize()
+    optimizer.step()
+
+
+def _worker(rank: int, world: int, port: int, args, out) -> None:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rows = []
+    for model_name, build in MODELS.items():
+        torch.manual_seed(0)
+        base = build()
+        x = torch.randn(args.batch_size, 1, 28, 28, generator=torch.Generator().manual_seed(rank))
+        y = torch.randint(0, 10, (args.batch_size,), generator=torch.Generator().manual_seed(rank))
+        runs = {}
+        for variant in VARIANTS:
+            model = build()
+            model.load_state_dict(base.state_dict())
+            params = [p for p in model.parameters() if p.requires_grad]
+            if variant == "ddp":
+                runs[variant] = (nn.parallel.DistributedDataParallel(model), None)
+            else:
+                fusion = 0 if variant == "horovod per tensor" else 64 * 2**20
+                runs[variant] = (model, GradientAllreduce(params, "mpi", world, fusion_bytes=fusion))
+        optimizers = {v: torch.optim.SGD(m.parameters(), lr=0.01) for v, (m, _) in runs.items()}
+        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        for repeat in range(args.repeats):
+            order = VARIANTS[repeat % len(VARIANTS) :] + VARIANTS[: repeat % len(VARIANTS)]
+            for variant in order:
+                model, sync = runs[variant]
+                for _ in range(args.warmup):
+                    _step(model, optimizers[variant], x, y, sync)
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    _step(model, optimizers[variant], x, y, sync)
+                dist.barrier()
+                times[variant].append((time.perf_counter() - start) / args.steps)
+        tensors = sum(1 for p in base.parameters())
+        for variant in VARIANTS:
+            ms = median(times[variant])
+            ratios = [t / d for t, d in zip(times[variant], times["ddp"], strict=True)]
+            rows.append(
+                {
+                    "model": model_name,
+                    "tensors": tensors,
+                    "reduction": variant,
+                    "ms_per_step": 1000 * ms,
+                    "vs_ddp": median(ratios),
+                    "spread": (max(times[variant]) - min(times[variant])) / ms,
+                }
+            )
+    if rank == 0:
+        out.put(rows)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=16, help="per rank")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    context = mp.get_context("spawn")
+    out = context.SimpleQueue()
+    mp.spawn(_worker, args=(args.ranks, find_free_network_port(), args, out), nprocs=args.ranks)
+    rows = out.get()
+    notes = (
+        f"{args.ranks} processes on gloo, batch {args.batch_size} per rank, {args.steps} timed steps after "
+        f"{args.warmup} warm-up, median of {args.repeats} repeats in rotating order; vs_ddp: median of the paired "
+        "ratios to ddp's step time (below 1 is faster); spread: (max - min) / median."
+    )
+    columns = ["model", "tensors", "reduction", "ms_per_step", "vs_ddp", "spread"]
+    path = record("reductions", "bench.reductions", rows, columns, notes)
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
