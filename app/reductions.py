@@ -62,10 +62,14 @@ class _Bucket:
         self.handle: Any = None
 
     def pack(self, prescale: float) -> None:
-        for param, chunk in zip(self.params, self.buffer.split(self.sizes), strict=True):
+        for param in self.params:
             if param.grad is None:  # unused in this step: contributes zeros, and the optimizer gets the reduced sum
                 param.grad = torch.zeros_like(param)
-            chunk.copy_(param.grad.reshape(-1))  # casts to the wire dtype
+        flat = [param.grad.reshape(-1) for param in self.params]
+        if self.buffer.dtype == self.params[0].dtype:
+            torch.cat(flat, out=self.buffer)  # one copy for the whole bucket
+        else:
+            self.buffer.copy_(torch.cat(flat))  # to the wire dtype
         if prescale != 1.0:
             self.buffer.mul_(prescale)
 

@@ -1,14 +1,14 @@
 """Gradient reduction cost: the horovod strategy's fused allreduce against DDP's buckets, same ranks, same steps.
 
     python -m bench.reductions                       # CPU: 2 processes on gloo, ResNet-18 and a many-tensor MLP
-    python -m bench.reductions --ranks 2 --steps 20 --repeats 5
+    python -m bench.reductions --ranks 2 --steps 20 --repeats 5 --fusion-mb 64 25 4
 
 Both mechanisms run in the same 2 processes, one after the other in rotating order per repeat, on one model
 copy each with the same start weights and batches:
 
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (25 MiB buckets, its default, overlapping backward);
-- ``horovod fused``: :class:`app.reductions.GradientAllreduce` as the horovod strategy's mpi backend uses it,
-  64 MiB fusion buckets (``--trainer.strategy.fusion_mb`` default), started during backward;
+- ``horovod fused (N MiB)``: :class:`app.reductions.GradientAllreduce` as the horovod strategy's mpi backend uses
+  it, with fusion buckets of ``--fusion-mb`` (``--trainer.strategy.fusion_mb``), started during backward;
 - ``horovod per tensor``: the same with ``fusion_mb=0`` (one allreduce per gradient, no fusion).
 
 Reports the median step time (forward, backward, reduction, SGD step) of each and its ratio to ddp, and writes
@@ -31,8 +31,6 @@ from app.networks import build_resnet
 from app.reductions import GradientAllreduce
 from bench.report import record
 
-VARIANTS = ("ddp", "horovod fused (64 MiB)", "horovod per tensor")
-
 
 def many_tensors() -> nn.Module:
     """An MLP of 100 narrow blocks: 400 small parameter tensors (where per-tensor allreduces hurt most)."""
@@ -51,6 +49,11 @@ def _step(model: nn.Module, optimizer, x, y, sync: GradientAllreduce | None) -> 
     optimizer.step()
 
 
+def variants(fusion_mbs: list[float]) -> dict[str, float | None]:
+    """Name -> fusion bucket size in MiB (None: DDP itself; 0: one allreduce per tensor)."""
+    return {"ddp": None, **{f"horovod fused ({mb:g} MiB)": mb for mb in fusion_mbs}, "horovod per tensor": 0.0}
+
+
 def _worker(rank: int, world: int, port: int, args, out) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -61,19 +64,20 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
         x = torch.randn(args.batch_size, 1, 28, 28, generator=torch.Generator().manual_seed(rank))
         y = torch.randint(0, 10, (args.batch_size,), generator=torch.Generator().manual_seed(rank))
         runs = {}
-        for variant in VARIANTS:
+        names = variants(args.fusion_mb)
+        for variant, fusion_mb in names.items():
             model = build()
             model.load_state_dict(base.state_dict())
             params = [p for p in model.parameters() if p.requires_grad]
-            if variant == "ddp":
+            if fusion_mb is None:
                 runs[variant] = (nn.parallel.DistributedDataParallel(model), None)
             else:
-                fusion = 0 if variant == "horovod per tensor" else 64 * 2**20
-                runs[variant] = (model, GradientAllreduce(params, "mpi", world, fusion_bytes=fusion))
+                sync = GradientAllreduce(params, "mpi", world, fusion_bytes=int(fusion_mb * 2**20))
+                runs[variant] = (model, sync)
         optimizers = {v: torch.optim.SGD(m.parameters(), lr=0.01) for v, (m, _) in runs.items()}
-        times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+        times: dict[str, list[float]] = {v: [] for v in names}
         for repeat in range(args.repeats):
-            order = VARIANTS[repeat % len(VARIANTS) :] + VARIANTS[: repeat % len(VARIANTS)]
+            order = list(names)[repeat % len(names) :] + list(names)[: repeat % len(names)]
             for variant in order:
                 model, sync = runs[variant]
                 for _ in range(args.warmup):
@@ -85,7 +89,7 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
                 dist.barrier()
                 times[variant].append((time.perf_counter() - start) / args.steps)
         tensors = sum(1 for p in base.parameters())
-        for variant in VARIANTS:
+        for variant in names:
             ms = median(times[variant])
             ratios = [t / d for t, d in zip(times[variant], times["ddp"], strict=True)]
             rows.append(
@@ -110,6 +114,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per repeat")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--fusion-mb", type=float, nargs="+", default=[64.0, 25.0], help="fusion bucket sizes to time (MiB)"
+    )
     args = parser.parse_args()
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 

@@ -103,7 +103,7 @@ SHARED_RUNS = ("bad_input_dir", "run_dir", "recorded")
 def pytest_collection_finish(session):
     """Fail loudly if ``--dist loadgroup`` did not take the groups (xdist marks a grouped test's id with ``@``):
     the shared runs would silently be made once per worker."""
-    if not session.config.getvalue("loadgroup"):
+    if not getattr(session.config.option, "loadgroup", False):  # set in xdist workers under --dist loadgroup
         return
     lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
     if lost:

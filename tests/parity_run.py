@@ -81,18 +81,38 @@ def main(argv: list[str] | None = None) -> None:
     trainer.fit(model, data)
 
 
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
 class SaveResult(Callback):
     """Rank 0 saves the trained weights where training ran: spawn-style launchers hand weights back to the parent
-    process in the parent's dtype (float32), which would round away the float64 run's precision."""
+    process in the parent's dtype (float32), which would round away the float64 run's precision.
+
+    Also saved: ``compute_dtypes``, for every rank the number of training forwards whose first convolution computed
+    in each of DTYPES (row per rank): what mixed precision really did on every rank and dp replica.
+    """
 
     def __init__(self, out: str) -> None:
         self.out = out
 
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.counts = torch.zeros(len(DTYPES), dtype=torch.long)
+        conv = next(m for m in pl_module.modules() if isinstance(m, torch.nn.Conv2d))
+
+        def count(module, inputs, output) -> None:
+            if module.training:
+                self.counts[DTYPES.index(output.dtype)] += 1
+
+        self.hook = conv.register_forward_hook(count)
+
     def on_fit_end(self, trainer, pl_module) -> None:
+        self.hook.remove()
+        counts = trainer.strategy.all_gather(self.counts.to(pl_module.device)).reshape(-1, len(DTYPES)).cpu()
         if trainer.is_global_zero:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
             state = {k: v.detach().cpu() for k, v in pl_module.state_dict().items()}
-            torch.save({"state_dict": state, "metrics": metrics, "global_step": trainer.global_step}, self.out)
+            result = {"state_dict": state, "metrics": metrics, "global_step": trainer.global_step}
+            torch.save({**result, "compute_dtypes": counts}, self.out)
             print(json.dumps(metrics))
 
 

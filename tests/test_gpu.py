@@ -53,3 +53,39 @@ def test_compiled_recipe_trains(workdir, data_dir):
     rows = _fit(data_dir, "--model.compile=true", "--trainer.log_every_n_steps=1", "--trainer.limit_train_batches=40")
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     assert len(losses) == 40 and sum(losses[-5:]) < sum(losses[:5])
+
+
+def test_dp_replicas_compute_in_the_precision_dtype():
+    """Two replicas on the one GPU, run as the dp strategy runs them: under bf16-mixed both compute in bfloat16.
+    torch's own parallel_apply re-enters autocast with CUDA's default dtype (float16): app/strategies/dp.py's
+    ``in_context`` is why the replicas get bfloat16."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from torch.nn.parallel import parallel_apply, replicate
+
+    from app.strategies.dp import in_context
+
+    plugin = MixedPrecision("bf16-mixed", device="cuda")
+    replicas = replicate(torch.nn.Linear(8, 8).cuda(), [0, 0])
+    inputs = [(torch.randn(4, 8, device="cuda"),)] * 2
+    with plugin.train_step_context():
+        ours = parallel_apply([in_context(r, plugin.train_step_context) for r in replicas], inputs, devices=[0, 0])
+        torchs = parallel_apply(replicas, inputs, devices=[0, 0])
+    assert [out.dtype for out in ours] == [torch.bfloat16] * 2
+    assert [out.dtype for out in torchs] == [torch.float16] * 2  # if torch keeps the dtype one day, say so here
+
+
+@pytest.mark.parametrize("strategy", ["dp", "horovod"])
+def test_16_mixed_trains_with_a_gradient_scaler(workdir, data_dir, strategy):
+    """16-mixed on CUDA: Lightning's GradScaler scales the loss; with dp and horovod (mpi backend, nccl) the run
+    trains and the scaler's state is in the checkpoint."""
+    rows = _fit(
+        data_dir,
+        f"--trainer.strategy={strategy}",
+        "--trainer.devices=1",
+        "--trainer.precision=16-mixed",
+        "--trainer.log_every_n_steps=1",
+    )
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) == 12 and all(loss == loss for loss in losses)  # finite, not NaN
+    checkpoint = torch.load("lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    assert "MixedPrecision" in checkpoint and checkpoint["MixedPrecision"]["scale"] > 0

@@ -4,6 +4,8 @@ The network is resnet_tiny with GroupNorm (no coupling between samples through b
 at batch b and one device at batch N*b compute the same gradients; the only differences are float rounding.
 """
 
+import threading
+
 import pytest
 import torch
 from lightning.pytorch import Trainer
@@ -11,10 +13,11 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from app.errors import UserError
 from app.strategies import DataParallelStrategy, HorovodStrategy
-from app.strategies.dp import combine_outputs, split_batch
+from app.strategies.dp import combine_outputs, in_context, split_batch
 from app.strategies.horovod import horovod_available
 from tests.conftest import run_cli
 from tests.parity import CASES, FLOAT32_TOLERANCE, REFERENCE, TOLERANCE, check_steps, relative_error, run_parity
+from tests.parity_run import DTYPES
 
 
 @pytest.mark.slow
@@ -61,6 +64,25 @@ def test_horovod_fp16_compression_is_close_but_lossy(parity):
     fp16 = parity("horovod_fp16", *CASES["horovod_self_launched"], "--compression", "fp16")
     assert relative_error(fp16, reference) < 1e-3
     assert relative_error(fp16, reference) > relative_error(exact, reference)
+
+
+# bf16-mixed against one device in bf16-mixed. Autocast rounds convolution inputs to bf16 (8 bits of mantissa), and
+# another batch split rounds other partial sums: measured 3.2e-4 (ddp, ddp_spawn, horovod) and 3.5e-4 (dp) after 4
+# steps. Wrong reductions land near 2.5e-3 (measured: a sum for the mean 2.4e-3, one rank's half batch alone 2.7e-3).
+BF16_TOLERANCE = 1e-3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES))
+def test_bf16_mixed_trains_like_one_device_and_computes_in_bf16_everywhere(parity, name):
+    reference = parity("reference_bf16", *REFERENCE, "--precision", "bf16-mixed")
+    result = parity(f"{name}_bf16", *CASES[name], "--precision", "bf16-mixed")
+    assert relative_error(result, reference) < BF16_TOLERANCE
+    # every training forward of every rank (dp: of every chunk) ran its convolutions in bf16
+    counts = result["compute_dtypes"]
+    assert counts.shape[0] == (1 if name == "dp" else 2)
+    bf16 = counts[:, DTYPES.index(torch.bfloat16)]
+    assert (bf16 > 0).all() and bf16.sum() == counts.sum()
 
 
 # ------------------------------------------------------------------------------------------------ registry, errors
@@ -129,6 +151,27 @@ def test_horovod_backend_trains_like_one_device(tmp_path, data_dir):
 
 
 # ------------------------------------------------------------------------------------------------ dp pieces
+def test_dp_replica_threads_get_the_precision_context_back():
+    """Autocast is thread-local: a step run in another thread (a dp replica on a GPU) computes in float32 unless
+    it re-enters the precision plugin's context there, which ``in_context`` does (dtype included)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("bf16-mixed", device="cpu")
+    linear, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    dtypes = {}
+
+    def in_thread(name, step):
+        thread = threading.Thread(target=lambda: dtypes.__setitem__(name, step(x).dtype))
+        thread.start()
+        thread.join()
+
+    with plugin.train_step_context():
+        dtypes["this thread"] = linear(x).dtype
+        in_thread("bare thread", linear)
+        in_thread("in_context", in_context(linear, plugin.train_step_context))
+    assert dtypes == {"this thread": torch.bfloat16, "bare thread": torch.float32, "in_context": torch.bfloat16}
+
+
 def test_split_batch_follows_torch_chunk_and_combine_weights_by_size():
     batch = (torch.arange(10).float(), torch.arange(10))
     chunks = split_batch(batch, 4)

@@ -115,21 +115,21 @@ class DataParallelStrategy(ParallelStrategy):
     # ---------------------------------------------------------------- the steps
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
-            return self._data_parallel("training_step", *args, **kwargs)
+            return self._data_parallel("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
-            return self._data_parallel("validation_step", *args, **kwargs)
+            return self._data_parallel("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
-            return self._data_parallel("test_step", *args, **kwargs)
+            return self._data_parallel("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
-            return self._data_parallel("predict_step", *args, **kwargs)
+            return self._data_parallel("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
 
-    def _data_parallel(self, step: str, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    def _data_parallel(self, step: str, precision_context, batch: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         if len(self.parallel_devices) == 1:  # as nn.DataParallel: nothing to split, replicate or gather
             return getattr(module, step)(batch, *args, **kwargs)
@@ -137,7 +137,7 @@ class DataParallelStrategy(ParallelStrategy):
             chunks = scatter(batch, [d.index for d in self.parallel_devices], dim=0)
             replicas = replicate(module, self.parallel_devices[: len(chunks)], detach=not torch.is_grad_enabled())
             outputs = parallel_apply(
-                [getattr(replica, step) for replica in replicas],
+                [in_context(getattr(replica, step), precision_context) for replica in replicas],
                 [(chunk, *args) for chunk in chunks],
                 [kwargs] * len(chunks),
                 self.parallel_devices[: len(chunks)],
@@ -151,6 +151,21 @@ class DataParallelStrategy(ParallelStrategy):
                 with scratch_buffers(module):
                     outputs.append(getattr(module, step)(chunk, *args, **kwargs))
         return combine_outputs(outputs, [batch_len(chunk) for chunk in chunks], self.root_device)
+
+
+def in_context(function, context):
+    """``function`` run inside ``context()``, entered in the thread that runs it.
+
+    Autocast is thread-local. ``parallel_apply`` re-enters it in each replica's thread, but as
+    ``torch.amp.autocast(device, enabled=...)``, the device's default dtype (float16 on CUDA): under bf16-mixed the
+    replicas would compute in float16. The precision plugin's own context restores its dtype.
+    """
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with context():
+            return function(*args, **kwargs)
+
+    return run
 
 
 @contextmanager

@@ -29,6 +29,7 @@ Horovod semantics, on both backends:
 
 from __future__ import annotations
 
+import atexit
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -221,6 +222,8 @@ class HorovodStrategy(ParallelStrategy):
                 timeout=timedelta(seconds=self.timeout),
                 device_id=self.root_device if backend == "nccl" else None,
             )
+            if self._launched:  # the group outlives fit (on_fit_end callbacks may still all_gather), not the process
+                atexit.register(_destroy_group)
         rank_zero_info(
             f"horovod strategy: backend={self.backend}, {self.world_size} ranks, compression={self.compression}, "
             f"op={self.op}, fusion_mb={self.fusion_mb:g}"
@@ -339,9 +342,12 @@ class HorovodStrategy(ParallelStrategy):
             self._grad_sync = None
         self._adasum = None
         super().teardown()
-        if self._launched and _group_ready():
-            dist.destroy_process_group()
 
 
 def _group_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+def _destroy_group() -> None:
+    if _group_ready():
+        dist.destroy_process_group()
