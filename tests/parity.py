@@ -1,5 +1,6 @@
 """Run ``tests/parity_run.py`` under a strategy and compare its weights with one device's (helpers and cases)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -39,6 +40,11 @@ def run_parity(out_dir: Path, data_dir: Path, name: str, *args: str, mpirun: int
     """Run the case once. One-process cases run in this process (the launchers are not what they test, and a new
     interpreter costs seconds of imports); every multi-process case runs as a user runs the script."""
     out = out_dir / f"{name}.pt"
+    recorded = out.with_suffix(".args")  # a name means one run: two tests that reuse it must mean the same run
+    wanted = json.dumps([*args, mpirun])
+    if recorded.exists() and recorded.read_text() != wanted:
+        raise ValueError(f"parity run {name!r} was made with {recorded.read_text()}, now asked with {wanted}")
+    recorded.write_text(wanted)
     if not out.exists() and not mpirun and one_process(args):
         from tests import parity_run
 

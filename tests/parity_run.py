@@ -95,7 +95,7 @@ class SaveResult(Callback):
     def __init__(self, out: str) -> None:
         self.out = out
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def setup(self, trainer, pl_module, stage: str) -> None:
         self.counts = torch.zeros(len(DTYPES), dtype=torch.long)
         conv = next(m for m in pl_module.modules() if isinstance(m, torch.nn.Conv2d))
 

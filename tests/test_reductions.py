@@ -199,7 +199,7 @@ def test_reduction_options_are_checked(kwargs, flag):
 def test_ddp_compression_hook_on_cpu_is_within_its_rounding(parity, hook, unit_roundoff):
     reference = parity("reference", *REFERENCE)
     exact = parity("ddp", *CASES["ddp"])
-    compressed = parity(f"ddp_{hook}", *CASES["ddp"], "--comm-hook", hook)
+    compressed = parity(f"ddp_{hook}_comm_hook", *CASES["ddp"], "--comm-hook", hook)
     error = relative_error_of(compressed, reference)
     assert error < reference["global_step"] * unit_roundoff
     assert error > 1000 * relative_error_of(exact, reference)  # exact ddp: ~1e-17

@@ -5,6 +5,7 @@ at batch b and one device at batch N*b compute the same gradients; the only diff
 """
 
 import threading
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -75,8 +76,8 @@ BF16_TOLERANCE = 1e-3
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_bf16_mixed_trains_like_one_device_and_computes_in_bf16_everywhere(parity, name):
-    reference = parity("reference_bf16", *REFERENCE, "--precision", "bf16-mixed")
-    result = parity(f"{name}_bf16", *CASES[name], "--precision", "bf16-mixed")
+    reference = parity("reference_bf16_mixed", *REFERENCE, "--precision", "bf16-mixed")
+    result = parity(f"{name}_bf16_mixed", *CASES[name], "--precision", "bf16-mixed")
     assert relative_error(result, reference) < BF16_TOLERANCE
     # every training forward of every rank (dp: of every chunk) ran its convolutions in bf16
     counts = result["compute_dtypes"]
@@ -194,7 +195,7 @@ def test_dp_keeps_only_chunk_zero_batchnorm_update():
     strategy = trainer.strategy
     strategy._lightning_module = strategy.model = model
     x, y = torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,))
-    strategy._data_parallel("training_step", (x, y), 0)
+    strategy._data_parallel("training_step", nullcontext, (x, y), 0)
     expected.training_step((x[:4], y[:4]), 0)
     assert torch.equal(model.net.bn1.running_mean, expected.net.bn1.running_mean)
     assert int(model.net.bn1.num_batches_tracked) == 1
