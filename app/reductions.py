@@ -51,13 +51,21 @@ def fusion_buckets(tensors: Sequence[Tensor], max_bytes: int) -> list[list[int]]
 
 
 class _Bucket:
-    """Gradients reduced together: one flat buffer, one allreduce."""
+    """Gradients reduced together: one flat buffer, one allreduce.
+
+    Without compression the reduced gradients are handed back as views of the buffer (as DDP's
+    ``gradient_as_bucket_view``): no copy back. When they are still those views at the next step (an optimizer
+    that zeroes gradients instead of dropping them), backward has accumulated into the buffer itself, and nothing
+    needs packing either.
+    """
 
     def __init__(self, params: list[Tensor], wire_dtype: torch.dtype | None) -> None:
         self.params = params
         self.sizes = [p.numel() for p in params]
         first = params[0]
         self.buffer = torch.empty(sum(self.sizes), dtype=wire_dtype or first.dtype, device=first.device)
+        self.as_views = self.buffer.dtype == first.dtype
+        self.views = [chunk.view_as(p) for p, chunk in zip(params, self.buffer.split(self.sizes), strict=True)]
         self.ready = 0
         self.handle: Any = None
 
@@ -65,20 +73,30 @@ class _Bucket:
         for param in self.params:
             if param.grad is None:  # unused in this step: contributes zeros, and the optimizer gets the reduced sum
                 param.grad = torch.zeros_like(param)
-        flat = [param.grad.reshape(-1) for param in self.params]
-        if self.buffer.dtype == self.params[0].dtype:
-            torch.cat(flat, out=self.buffer)  # one copy for the whole bucket
-        else:
-            self.buffer.copy_(torch.cat(flat))  # to the wire dtype
+        if not (self.as_views and self._grads_are_views()):
+            flat = [param.grad.reshape(-1) for param in self.params]
+            if self.as_views:
+                torch.cat(flat, out=self.buffer)  # one copy for the whole bucket
+            else:
+                self.buffer.copy_(torch.cat(flat))  # to the wire dtype
         if prescale != 1.0:
             self.buffer.mul_(prescale)
 
     def unpack(self, postscale: float) -> None:
+        if self.as_views:
+            if postscale != 1.0:
+                self.buffer.mul_(postscale)
+            for param, view in zip(self.params, self.views, strict=True):
+                param.grad = view
+            return
         reduced = self.buffer.to(self.params[0].dtype)  # back to the gradient's dtype before scaling: one rounding
         if postscale != 1.0:
             reduced.mul_(postscale)
         for param, chunk in zip(self.params, reduced.split(self.sizes), strict=True):
             param.grad.copy_(chunk.view_as(param.grad))
+
+    def _grads_are_views(self) -> bool:
+        return all(p.grad is v for p, v in zip(self.params, self.views, strict=True))
 
 
 class GradientAllreduce:

@@ -241,3 +241,38 @@ def test_ddp_comm_hook_options_are_checked(kwargs, message):
 
     with pytest.raises(UserError, match=message):
         DDPCommHook(**kwargs)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["grads dropped", "grads zeroed"])
+def test_reduced_gradients_are_bucket_views_and_right_either_way_an_optimizer_zeroes(set_to_none):
+    """One rank (a real gloo group of one): the reduced gradient is the local one times the post-scale, as a view
+    of the bucket. An optimizer that zeroes gradients in place lets backward accumulate into the bucket itself."""
+    import torch.distributed as dist
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    from app.reductions import GradientAllreduce
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_network_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+        params = list(net.parameters())
+        sync = GradientAllreduce(params, "mpi", world_size=2, fusion_bytes=64)  # average over "2": grads halved
+        optimizer = torch.optim.SGD(params, lr=0.1)
+        for _ in range(3):
+            x = torch.randn(5, 3)
+            optimizer.zero_grad(set_to_none=set_to_none)
+            expected = torch.autograd.grad(net(x).square().sum(), params)
+            net(x).square().sum().backward()
+            sync.synchronize()
+            for param, grad in zip(params, expected, strict=True):
+                torch.testing.assert_close(param.grad, grad / 2)
+            bucket_memory = {b.buffer.data_ptr() for b in sync.buckets}
+            assert all(p.grad.untyped_storage().data_ptr() in bucket_memory for p in params)
+            optimizer.step()
+        sync.remove()
+    finally:
+        if own_group:
+            dist.destroy_process_group()
