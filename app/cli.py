@@ -164,10 +164,17 @@ class CLI(LightningCLI):
         self._loaded: dict[str, dict] = {}  # checkpoints read by the CLI's checks, each read once
         self._elastic_ckpt: str | None = None  # the last.ckpt a torchrun restart resumes from
         self._elastic_run: ElasticRunFolder | None = None
+        UserError.latest = None
         try:
             super().__init__(*args, **kwargs)
         except BaseException as err:
             release_if_unused(self._claimed)  # a run that failed before doing anything leaves no folder
+            latest = UserError.latest
+            # a class (strategy, callback, model) refused a value while jsonargparse built it: jsonargparse
+            # reports the message inside a union error of its own; say only ours
+            wrapped = isinstance(err, ValueError) and latest is not None and latest is not err
+            if wrapped and " ".join(str(latest).split()) in " ".join(str(err).split()):
+                raise latest from None
             if isinstance(err, MisconfigurationException | ValueError) and not isinstance(err, UserError):
                 # Lightning checks some settings only when the run starts (val_check_interval against the batches)
                 config = self.config[self.subcommand] if getattr(self, "subcommand", None) else {}

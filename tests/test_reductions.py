@@ -17,7 +17,7 @@ from app.errors import UserError
 from app.reductions import adasum, fusion_buckets
 from app.strategies import HorovodStrategy
 from tests import reduction_run
-from tests.conftest import ROOT
+from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
 from tests.parity import CASES, MPI_ENV, MPIRUN, REFERENCE
 from tests.parity import relative_error as relative_error_of
 
@@ -276,3 +276,45 @@ def test_reduced_gradients_are_bucket_views_and_right_either_way_an_optimizer_ze
     finally:
         if own_group:
             dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--trainer.strategy=horovod", "--trainer.strategy.fusion_mb=-1"],
+        [
+            "--trainer.strategy=horovod",
+            "--trainer.strategy.op=adasum",
+            "--trainer.strategy.gradient_predivide_factor=2",
+        ],
+        ["--trainer.callbacks+=app.callbacks.DDPCommHook", "--trainer.callbacks.powersgd_start_iter=1"],
+    ],
+    ids=["fusion_mb", "predivide with adasum", "powersgd_start_iter"],
+)
+def test_a_refused_option_is_one_line_through_the_cli(flags, workdir, capsys):
+    """A class refusing a value while the CLI builds it: jsonargparse wraps the message in its own union error;
+    the user gets ours, one line, exit 2, and no run folder."""
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", *flags, "--data.source=synthetic")
+    assert exit_info.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith(("error: --trainer.strategy.", "error: --trainer.callbacks."))
+    assert "Union" not in lines[0] and not (workdir / "lightning_logs").exists()
+
+
+@pytest.mark.slow
+def test_bad_input_found_in_the_self_launched_horovod_ranks_is_one_line(tmp_path, data_dir):
+    """DDPCommHook under horovod is refused inside the ranks (where the strategy is known): the launcher prints the
+    ranks' message once, exit 2, with no traceback from any rank or from the launcher."""
+    cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}"]
+    cmd += ["--trainer.strategy=horovod", "--trainer.devices=2", "--trainer.callbacks+=app.callbacks.DDPCommHook"]
+    result = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, **MPI_ENV}
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: app.callbacks.DDPCommHook works with --trainer.strategy=ddp or ddp_spawn, not HorovodStrategy; the "
+        "horovod strategy compresses with --trainer.strategy.compression=fp16|bf16"
+    ]

@@ -51,10 +51,14 @@ class DDPCommHook(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         several = trainer.world_size > 1 or trainer.num_devices > 1
         if stage == "fit" and several and not isinstance(trainer.strategy, DDPStrategy):
+            name = type(trainer.strategy).__name__
+            instead = (
+                "the horovod strategy compresses with --trainer.strategy.compression=fp16|bf16"
+                if name == "HorovodStrategy"
+                else "use --trainer.strategy=ddp to compress what the processes exchange"
+            )
             raise UserError(
-                f"app.callbacks.DDPCommHook works with --trainer.strategy=ddp or ddp_spawn, not "
-                f"{type(trainer.strategy).__name__}; the horovod strategy compresses with "
-                "--trainer.strategy.compression=fp16|bf16"
+                f"app.callbacks.DDPCommHook works with --trainer.strategy=ddp or ddp_spawn, not {name}; {instead}"
             )
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

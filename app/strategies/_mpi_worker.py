@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import app  # noqa: F401  (registers the strategies before anything is unpickled)
-from app.strategies.launch import launcher_ranks, process_alive
+from app.errors import UserError
+from app.strategies.launch import USER_ERROR, launcher_ranks, process_alive
 
 
 def main(job_path: str, result_path: str) -> None:
@@ -22,6 +23,10 @@ def main(job_path: str, result_path: str) -> None:
             multiprocessing.spawn.prepare(pickle.load(f))
             launcher, trainer, function, args, kwargs = pickle.load(f)
         launcher.run_in_rank(trainer, function, args, kwargs, result_path)
+    except UserError as err:  # bad input found in the ranks: the launcher says it once, as one line
+        tmp = workdir / f"user-error.{rank}"
+        tmp.write_text(str(err))
+        os.replace(tmp, workdir / USER_ERROR)
     finally:
         if rank == 0 and not process_alive(int(os.environ.get("APP_LAUNCHER_PID", "0"))):
             shutil.rmtree(workdir, ignore_errors=True)  # the launcher is gone: nobody else will clean up

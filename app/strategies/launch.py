@@ -223,6 +223,8 @@ class MPIRunLauncher(ResultsLauncher):
                 from app.callbacks.preemption import Preempted
 
                 raise Preempted(signum)
+            if (workdir / USER_ERROR).exists():
+                raise UserError((workdir / USER_ERROR).read_text())
             if returncode != 0:
                 raise RuntimeError(
                     f"the horovod ranks failed (mpirun exited with {returncode}); see their output above"
@@ -250,6 +252,7 @@ class MPIRunLauncher(ResultsLauncher):
 
 
 LAUNCH_PREFIX = "horovod-launch-"
+USER_ERROR = "user-error"  # a rank's bad-input message (app.errors.UserError), for the launcher to print once
 
 
 def remove_stale_launch_folders() -> None:
