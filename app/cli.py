@@ -124,6 +124,35 @@ def default_loggers(save_dir: str = ".") -> list[dict]:
     return loggers + [{"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": tb}]
 
 
+def nested_option_error(line: str) -> str | None:
+    """jsonargparse's union error for an option of a class given by name or class path (``--trainer.strategy.op``,
+    ``--trainer.callbacks.hook``), as one sentence: the flag, what is wrong, and the choices or the closest option."""
+    group = re.search(r'Parser key "([\w.]+)": Does not validate against any of the Union subtypes', line)
+    given = re.search(r"NestedArg\(key='([\w.]+)', val='([^']*)'\)", line)
+    if not (group and given):
+        return None
+    key, value = given.groups()
+    flag = f"--{group.group(1)}.{key}={value}"
+    problem = re.search(
+        rf"Problem with given class_path '([\w.]+)': (?:Parser key \"{re.escape(key)}\": (.*?)(?= - |$)|"
+        rf"(Option '{re.escape(key)}' is not accepted))",
+        line,
+    )
+    if problem is None:
+        return None
+    class_path, wrong_value, unknown = problem.groups()
+    name = class_path.rsplit(".", 1)[1]
+    if unknown:
+        options = [p for p in inspect.signature(_import(class_path).__init__).parameters if p not in ("self", "args")]
+        close = difflib.get_close_matches(key, options, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return f"{flag}: {name} has no option {key!r}{hint}; its options: {', '.join(options)}"
+    choices = re.search(r"Expected a typing\.Literal\[(.*?)\]", wrong_value)
+    if choices:
+        return f"{flag}: must be one of {', '.join(c.strip().strip(chr(39)) for c in choices.group(1).split(','))}"
+    return f"{flag}: {wrong_value.split(' Given value type:')[0].strip()}"
+
+
 class Parser(LightningArgumentParser):
     """Parse errors as one line (no 70-line usage), with the closest flag when one was mistyped."""
 
@@ -141,6 +170,7 @@ class Parser(LightningArgumentParser):
             if close:
                 line += f" (did you mean {close[0] if flag in line else close[0][2:]}?)"
                 break
+        line = nested_option_error(line) or line
         prog = parser.prog.replace(" [options]", "")
         script, _, rest = prog.partition(" ")
         if Path(sys.argv[0]).name == script:  # the script as the user typed it: from another folder, its path

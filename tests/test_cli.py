@@ -131,6 +131,32 @@ def test_every_preset_parses(config, workdir, capsys):
     assert yaml.safe_load(capsys.readouterr().out)["model"]["arch"]
 
 
+@pytest.mark.parametrize(
+    ("flags", "want"),
+    [
+        (
+            ["--trainer.strategy=horovod", "--trainer.strategy.op=median"],
+            "error: --trainer.strategy.op=median: must be one of average, sum, adasum;",
+        ),
+        (
+            ["--trainer.strategy=horovod", "--trainer.strategy.fusion=8"],
+            "error: --trainer.strategy.fusion=8: HorovodStrategy has no option 'fusion' (did you mean fusion_mb?);",
+        ),
+        (
+            ["--trainer.callbacks+=app.callbacks.DDPCommHook", "--trainer.callbacks.hook=int8"],
+            "error: --trainer.callbacks.hook=int8: must be one of fp16, bf16, powersgd;",
+        ),
+    ],
+    ids=["choice", "typo", "callback choice"],
+)
+def test_a_wrong_option_of_a_strategy_or_callback_is_one_plain_line(flags, want, workdir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", *flags, "--data.source=synthetic")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(want) and "Union" not in err and "NestedArg" not in err
+
+
 def test_bad_value_is_one_line_error_with_exit_2(workdir):
     result = subprocess.run(
         [sys.executable, str(ROOT / "cli.py"), "fit", "--data.batch_size=0", "--data.source=synthetic"],
