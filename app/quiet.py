@@ -41,6 +41,9 @@ def install() -> None:
         "ignore", message=r"Experiment logs directory .* exists and is not empty",
         module=r"lightning\.fabric\.loggers\.csv_logs",
     )  # fmt: skip
+    # Under 16-mixed/bf16-mixed the parameters are stored in float32, which is what the summary then assumes: the
+    # size it prints is right, the warning (every bf16-mixed run) is not.
+    warnings.filterwarnings("ignore", message=r"Precision (16|bf16)-mixed is not supported by the model summary")
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     # An advertisement for a cloud service, printed by every Trainer.
     rank_zero.addFilter(_DropMessage("💡 Tip: For seamless cloud"))

@@ -121,6 +121,18 @@ def test_lightning_switches_work_beside_the_default_callbacks(switch, expect, tm
         assert not list(root.rglob("*.ckpt"))
 
 
+def test_a_bf16_mixed_run_shows_its_model_summary_without_a_warning(tmp_path, data_dir):
+    """Lightning warns that the summary does not support bf16-mixed; the parameters are float32 under mixed
+    precision, as the summary assumes, so app/quiet.py silences it."""
+    root = tmp_path / "root"
+    flags = ("--trainer.precision=bf16-mixed", "--trainer.enable_model_summary=true")
+    result = run(cli_command(data_dir, f"--trainer.default_root_dir={root}", *flags), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Total params" in result.stdout + result.stderr  # the summary is there
+    assert "not supported by the model summary" not in result.stderr
+    assert noise(result.stderr) == [], noise(result.stderr)
+
+
 def test_without_a_logger_a_second_run_never_overwrites_the_first_and_a_resume_continues_it(tmp_path, data_dir):
     """``--trainer.logger=false``: no run folder, so Lightning writes checkpoints straight into ROOT/checkpoints. A
     second fresh run there is one line and leaves them as they were (it overwrote them, or died on config.yaml
