@@ -4,11 +4,16 @@ The network is resnet_tiny with GroupNorm (no coupling between samples through b
 at batch b and one device at batch N*b compute the same gradients; the only differences are float rounding.
 """
 
+import os
+import subprocess
+import sys
 import threading
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -16,7 +21,7 @@ from app.errors import UserError
 from app.strategies import DataParallelStrategy, HorovodStrategy
 from app.strategies.dp import combine_outputs, in_context, split_batch
 from app.strategies.horovod import horovod_available
-from tests.conftest import run_cli
+from tests.conftest import ROOT, run_cli
 from tests.parity import CASES, FLOAT32_TOLERANCE, REFERENCE, TOLERANCE, check_steps, relative_error, run_parity
 from tests.parity_run import DTYPES
 
@@ -87,6 +92,23 @@ def test_bf16_mixed_trains_like_one_device_and_computes_in_bf16_everywhere(parit
 
 
 # ------------------------------------------------------------------------------------------------ registry, errors
+@pytest.mark.slow
+def test_ranks_exit_0_with_a_gloo_collective_still_in_flight():
+    """Lightning destroys only nccl groups at exit; a gloo group busy at exit aborted ranks ("terminate called
+    without an active exception", exit -6: a ddp_spawn parity run failed so in the suite). ``import app`` destroys
+    the group before the interpreter shuts down. Without it, 2 of 3 two-rank runs of this script failed here."""
+    script = Path(__file__).with_name("busy_group_at_exit.py")
+    result = subprocess.run(
+        [sys.executable, str(script), "4", str(find_free_network_port())],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "terminate called" not in result.stderr
+
+
 def test_strategies_are_registered_under_their_old_names():
     assert StrategyRegistry["dp"]["strategy"] is DataParallelStrategy
     assert StrategyRegistry["horovod"]["strategy"] is HorovodStrategy

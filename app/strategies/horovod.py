@@ -29,7 +29,6 @@ Horovod semantics, on both backends:
 
 from __future__ import annotations
 
-import atexit
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -222,8 +221,8 @@ class HorovodStrategy(ParallelStrategy):
                 timeout=timedelta(seconds=self.timeout),
                 device_id=self.root_device if backend == "nccl" else None,
             )
-            if self._launched:  # the group outlives fit (on_fit_end callbacks may still all_gather), not the process
-                atexit.register(_destroy_group)
+            # The group outlives fit (on_fit_end callbacks may still all_gather); app.process_group destroys it at
+            # exit.
         rank_zero_info(
             f"horovod strategy: backend={self.backend}, {self.world_size} ranks, compression={self.compression}, "
             f"op={self.op}, fusion_mb={self.fusion_mb:g}"
@@ -346,8 +345,3 @@ class HorovodStrategy(ParallelStrategy):
 
 def _group_ready() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _destroy_group() -> None:
-    if _group_ready():
-        dist.destroy_process_group()
