@@ -61,8 +61,42 @@ def torchrun_job() -> TorchrunJob | None:
     )
 
 
+# Set by the horovod strategy's own mpirun launch (``--trainer.strategy.max_restarts``) in its ranks' environment.
+MPI_RESTARTS_LEFT = "FASHION_MPI_RESTARTS_LEFT"  # how many more times the launcher restarts the ranks
+MPI_RESTART = "FASHION_MPI_RESTART"  # which start this is: 0 first, 1 the first restart, ...
+MPI_LAUNCH_DIR = "FASHION_MPI_LAUNCH_DIR"  # the launcher's private folder, where survivors report their state
+SAVED_STATE = "saved-state"  # a survivor's report: the file ``saved-state-RANK`` names the checkpoint it wrote
+
+
+def report_saved_state(rank: int, path: str) -> None:
+    """Tell the horovod strategy's launcher (if it started this rank) that this rank survived a failure and saved
+    the state of the last completed step to ``path``; it restarts the ranks that did."""
+    folder = os.environ.get(MPI_LAUNCH_DIR)
+    if folder and Path(folder).is_dir():
+        tmp = Path(folder) / f".{SAVED_STATE}-{rank}"
+        tmp.write_text(path)
+        os.replace(tmp, Path(folder) / f"{SAVED_STATE}-{rank}")
+
+
 def restarts_possible() -> bool:
-    """True when a launcher will start this program again after a failure (torchrun with ``--max-restarts``)."""
+    """True when a launcher will start this program again after a failure: torchrun with ``--max-restarts``, or
+    the horovod strategy's self-launch with restarts left (``--trainer.strategy.max_restarts``)."""
+    job = torchrun_job()
+    if job is not None:
+        return job.restarts_possible
+    return int(os.environ.get(MPI_RESTARTS_LEFT, "0")) > 0
+
+
+def is_restart() -> bool:
+    """True in a start that a launcher made after a failure: it continues a run (torchrun restart, horovod restart)."""
+    job = torchrun_job()
+    if job is not None:
+        return job.restart_count > 0
+    return int(os.environ.get(MPI_RESTART, "0")) > 0
+
+
+def torchrun_restarts_possible() -> bool:
+    """True under torchrun with ``--max-restarts`` > 0 (torchrun's own wording applies)."""
     job = torchrun_job()
     return job is not None and job.restarts_possible
 

@@ -6,7 +6,9 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
 
 1. :class:`ResultsLauncher` — the launcher protocol (``Strategy._configure_launcher`` sets ``strategy._launcher``),
    and ``ddp_spawn``'s handing of rank 0's weights, trainer state and metrics back to the launching process. The
-   horovod strategy's self-launch under ``mpirun`` does what ``ddp_spawn`` does, so it reuses that code.
+   horovod strategy's self-launch under ``mpirun`` does what ``ddp_spawn`` does, so it reuses that code. A
+   restart of its ranks (:func:`resume_from`) replaces the checkpoint argument of the function it launches
+   (``Trainer._fit_impl``), found by its parameter name.
 2. :func:`log_step_now` — the logger connector: a training step cut short by a signal logs its values the way
    the loop would have after the callbacks' ``on_train_batch_end``.
 3. :func:`refresh_last_checkpoint` — ``ModelCheckpoint`` writes ``last.ckpt`` only when it also writes a top-k
@@ -21,6 +23,7 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -36,6 +39,15 @@ class ResultsLauncher(_MultiProcessingLauncher):
     def recover_results(self, worker_output, trainer) -> None:
         """In the launching process: load rank 0's weights, state and metrics into ``trainer`` and its module."""
         self._recover_results_in_main_process(worker_output, trainer)
+
+
+def resume_from(function, args: tuple, kwargs: dict, ckpt_path: str) -> tuple[tuple, dict]:
+    """The arguments of the launched ``function`` (``Trainer._fit_impl``) with its ``ckpt_path`` replaced."""
+    bound = inspect.signature(function).bind(*args, **kwargs)
+    if "ckpt_path" not in inspect.signature(function).parameters:
+        raise RuntimeError(f"{function.__qualname__} takes no ckpt_path: this Lightning version cannot be restarted")
+    bound.arguments["ckpt_path"] = ckpt_path
+    return bound.args, bound.kwargs
 
 
 def log_step_now(trainer) -> None:

@@ -238,9 +238,16 @@ class AdasumDelta:
         yield
         with torch.no_grad():
             deltas = [p - s for p, s in zip(params, start, strict=True)]
-            for dtype in {d.dtype for d in deltas}:  # one flat vector per dtype; Adasum stays per tensor
-                group = [i for i, d in enumerate(deltas) if d.dtype == dtype]
-                self._combine([deltas[i] for i in group])
+            try:
+                for dtype in {d.dtype for d in deltas}:  # one flat vector per dtype; Adasum stays per tensor
+                    group = [i for i, d in enumerate(deltas) if d.dtype == dtype]
+                    self._combine([deltas[i] for i in group])
+            except BaseException:
+                # A failed exchange (a rank died) leaves the weights of the last completed step, which a survivor
+                # saves for a restart; only this rank's own optimizer state has moved on by the local step.
+                for param, begin in zip(params, start, strict=True):
+                    param.copy_(begin)
+                raise
             for param, begin, delta in zip(params, start, deltas, strict=True):
                 param.copy_(begin + delta)
 

@@ -1,7 +1,7 @@
 """Test-only callbacks for the elastic tests: a node that is lost, and a run that waits for a node to join.
 
-Each acts only on torchrun's first start (``TORCHELASTIC_RESTART_COUNT`` 0) and in the process its environment
-names, so the restarted job runs undisturbed.
+Each acts only on the launcher's first start (torchrun's ``TORCHELASTIC_RESTART_COUNT`` or the horovod
+self-launch's ``FASHION_MPI_RESTART`` 0) and in the process it names, so the restarted job runs undisturbed.
 """
 
 import os
@@ -24,6 +24,18 @@ class LoseNodeAtStep(Callback):
         first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         if trainer.global_step == self.step and os.environ.get("LOSE_THIS_NODE") == "1" and first_start:
             os.kill(os.getppid(), signal.SIGKILL)  # the agent: it cannot restart this worker
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class LoseRankAtStep(Callback):
+    """After ``step``, rank ``rank`` of the horovod strategy's first mpirun launch SIGKILLs itself (a rank lost)."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step, self.rank = step, rank
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        first_start = os.environ.get("FASHION_MPI_RESTART", "0") == "0"
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and first_start:
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -21,13 +21,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from lightning.pytorch import Trainer
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from app.elastic import agent_id, finished_run_of, mark_run, run_of, take_launcher_numbers, torchrun_job
 from app.errors import UserError
 from app.loader import ResumableLoader, ResumableSampler
 from app.model import CHECKPOINT_FORMAT, DEFAULT_SGD, FORMAT_KEY, check_compatible, load_checkpoint
+from app.strategies import HorovodStrategy
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
+from tests.parity import MPI_ENV
 from tests.record_samples import read_records
 
 SAMPLES, BATCH = 48, 4  # a training set of 48 (val_size = 60000 - 48), 4 per device: 6 steps an epoch on 2 devices
@@ -210,6 +213,57 @@ def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one_each_sample_once
     final = load_checkpoint(root / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt")
     assert final["global_step"] == EPOCHS * SAMPLES // (2 * BATCH)
     assert_each_sample_once_per_epoch(read_records(records), resumed_at_step=step)
+
+
+@pytest.mark.slow
+def test_a_lost_horovod_rank_is_restarted_from_the_survivors_state_each_sample_once(tmp_path, data_dir):
+    """The horovod strategy starts its own 2 ranks with max_restarts=1; after step 3 rank 1 is SIGKILLed. mpirun
+    (with recovery) keeps rank 0 alive, whose collective fails; it saves the state after step 3 and reports it. The
+    launcher restarts on the surviving rank from that state, in the same run folder, keeping the global batch."""
+    root, records, elsewhere = tmp_path / "runs", tmp_path / "records", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    lose = {"class_path": "tests.lose_node.LoseRankAtStep", "init_args": {"step": 3, "rank": 1}}
+    args = fit_args(data_dir, root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
+    args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(lose)]
+    result = subprocess.run(
+        [sys.executable, *args], cwd=elsewhere, env=env(**MPI_ENV), capture_output=True, text=True, timeout=300
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert "[rank 0]" in output and "Saved the state after step 3 to" in output, output[-5000:]
+    restart = "horovod: rank(s) 1 lost (mpirun exited with a failure); restart 1 of at most 1 on 1 rank(s), resuming"
+    assert restart in output, output[-5000:]
+    assert "2 -> 1 devices: accumulate_grad_batches 1 -> 2 keeps the global batch 8" in output
+    assert "Traceback" not in output.split(restart)[1]  # the restarted run is clean
+
+    [run] = (root / "lightning_logs").glob("version_*")  # one run folder, continued by the restart
+    final = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert final["global_step"] == EPOCHS * SAMPLES // (2 * BATCH)  # the steps of an unbroken run at global batch 8
+    recorded = read_records(records)
+    assert_each_sample_once_per_epoch(recorded, resumed_at_step=3)
+    assert len([r for r in recorded if r["world"] == 2 and r["step"] >= 3]) <= 1  # at most the step in flight again
+    with (run / "metrics.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    steps = [int(row["step"]) for row in rows]
+    assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == final["global_step"] - 1
+    assert {row["epoch"] for row in rows if row["val/acc"]} == {"0", "1"}  # both epochs' validation, one file
+    assert (run / "config.yaml").is_file() and (run / "config.restart1.yaml").is_file()
+    kill = max(r["time"] for r in recorded if r["world"] == 2 and r["rank"] == 1)
+    first_after = min(r["time"] for r in recorded if r["world"] == 1)
+    print(f"\nfrom the lost rank's last batch to the first batch after the restart: {first_after - kill:.1f} s")
+
+
+def test_horovod_max_restarts_is_checked(monkeypatch):
+    with pytest.raises(UserError, match=r"max_restarts=-1 must be >= 0"):
+        HorovodStrategy(max_restarts=-1)
+    with pytest.raises(UserError, match=r"max_restarts=2 restarts a run on the ranks that survive.*--trainer.devices"):
+        Trainer(accelerator="cpu", devices=1, strategy=HorovodStrategy(max_restarts=2), logger=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    with pytest.raises(UserError, match=r"under your own mpirun or horovodrun, restarting is the launcher's job"):
+        HorovodStrategy(max_restarts=1)._configure_launcher()
 
 
 # ---------------------------------------------------------------- the loader at another world size, in-process

@@ -15,7 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.strategies import Strategy
 
-from app.lightning_internals import ResultsLauncher, drop_layer_sync, take_over_local_ranks
+from app.lightning_internals import ResultsLauncher, drop_layer_sync, resume_from, take_over_local_ranks
 from tests.conftest import ROOT
 
 
@@ -34,6 +34,16 @@ def test_launcher_protocol():
     assert parameters(ResultsLauncher._recover_results_in_main_process) == ["worker_output", "trainer"]
     assert "_configure_launcher" in vars(Strategy)
     assert "self._launcher" in inspect.getsource(Strategy.launcher.fget)
+
+
+def test_the_launched_fit_takes_a_ckpt_path(tmp_path):
+    """A restart of the horovod ranks replaces the ckpt_path argument of what Lightning launches for fit."""
+    trainer = Trainer(default_root_dir=tmp_path, logger=False)
+    assert "ckpt_path" in parameters(Trainer._fit_impl)
+    assert "self._fit_impl" in inspect.getsource(Trainer.fit)
+    args, kwargs = resume_from(trainer._fit_impl, ("model", None, None, "data", "given.ckpt"), {}, "last.ckpt")
+    assert inspect.signature(trainer._fit_impl).bind(*args, **kwargs).arguments["ckpt_path"] == "last.ckpt"
+    assert args[0] == "model" and "given.ckpt" not in (*args, *kwargs.values())
 
 
 def test_logger_connector(tmp_path):

@@ -20,6 +20,7 @@ On by default. Three things, each only where it applies:
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import warnings
 from pathlib import Path
@@ -30,14 +31,16 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.callbacks.progress import console_print
+from app.callbacks.rank_watchdog import RankWatchdog
 from app.elastic import (
     MARKER,
     METRICS_BEFORE_RESTART,
     TorchrunJob,
     agent_id,
+    is_restart,
     mark_run,
+    report_saved_state,
     restarts_possible,
-    torchrun_job,
 )
 from app.errors import UserError
 from app.loader import ResumableLoader
@@ -67,6 +70,7 @@ class Elastic(Callback):
         self._last_step: tuple[int, dict] | None = None  # (global step, loops' state after it)
         self._saving_loops: dict | None = None
         self.restartable = False
+        self.saved_after_failure: str | None = None  # the last.ckpt this rank wrote when its collective failed
 
     # ---------------------------------------------------------------- the run's shape, saved and restored
     def state_dict(self) -> dict:
@@ -79,8 +83,7 @@ class Elastic(Callback):
         if stage != "fit":
             return
         self.restartable = restarts_possible()
-        job = torchrun_job()
-        if job is not None and job.restarts_possible:
+        if self.restartable or is_restart():
             # A restart continues in its run's folder, which holds the checkpoints it resumes from by design.
             warnings.filterwarnings(
                 "ignore", message=r"Checkpoint directory .* exists and is not empty", module=r"lightning\.pytorch"
@@ -194,21 +197,29 @@ class Elastic(Callback):
         # The process group is broken: no barrier after the save, and every survivor writes (rank 0 may be gone).
         strategy.barrier = lambda *args, **kwargs: None
         strategy.save_checkpoint = lambda checkpoint, *args, **kwargs: captured.update(checkpoint=checkpoint)
-        try:
-            trainer.save_checkpoint(path, weights_only=False)
-            strategy.checkpoint_io.save_checkpoint(captured["checkpoint"], path)
-        except Exception as err:  # noqa: BLE001 - the original failure is what the user must see
-            console_print(trainer, f"[rank {trainer.global_rank}] could not save the state after step {step}: {err}")
-            return
-        finally:
-            self._saving_loops = None
-            del strategy.barrier, strategy.save_checkpoint  # the class's methods again
-        reason = " ".join(str(exception).split())[:200]
-        console_print(
-            trainer,
-            f"[rank {trainer.global_rank}] {type(exception).__name__}: {reason}. Saved the state after step {step} "
-            f"to {path}; the launcher restarts the job from there",
-        )
+        # The rank watchdog would end this process as soon as it judges the peer lost: not in the middle of the file.
+        watchdogs = [c.held() for c in trainer.callbacks if isinstance(c, RankWatchdog)]
+        with contextlib.ExitStack() as hold:
+            for watchdog in watchdogs:
+                hold.enter_context(watchdog)
+            try:
+                trainer.save_checkpoint(path, weights_only=False)
+                strategy.checkpoint_io.save_checkpoint(captured["checkpoint"], path)
+            except Exception as err:  # noqa: BLE001 - the original failure is what the user must see
+                rank = trainer.global_rank
+                console_print(trainer, f"[rank {rank}] could not save the state after step {step}: {err}")
+                return
+            finally:
+                self._saving_loops = None
+                del strategy.barrier, strategy.save_checkpoint  # the class's methods again
+            self.saved_after_failure = str(path)
+            report_saved_state(trainer.global_rank, str(path))
+            reason = " ".join(str(exception).split())[:200]
+            console_print(
+                trainer,
+                f"[rank {trainer.global_rank}] {type(exception).__name__}: {reason}. Saved the state after step "
+                f"{step} to {path}; the launcher restarts the job from there",
+            )
 
 
 class ElasticRunFolder(Callback):

@@ -30,7 +30,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.callbacks.progress import console_print
-from app.elastic import restarts_possible
+from app.elastic import torchrun_restarts_possible
 from app.lightning_internals import log_step_now, take_over_local_ranks
 
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
@@ -48,7 +48,8 @@ def wait_for_local_ranks(processes: list[subprocess.Popen]) -> None:
 
 
 def _how_to_continue() -> str:
-    if restarts_possible():  # torchrun stops the workers with SIGTERM to take in a node that joins, then restarts
+    # torchrun stops the workers with SIGTERM to take in a node that joins, then restarts
+    if torchrun_restarts_possible():
         return "torchrun resumes from it when it restarts the job; after the job ended, the same command continues it"
     return "Continue with the same command plus --ckpt_path last"
 

@@ -71,6 +71,7 @@ class Heartbeat(threading.Thread):
         self.verdict = threading.Event()
         self._halt = threading.Event()  # not "_stop": that is a threading.Thread method
         self.on_lost = None  # called from this thread with (ranks, reason); default: exit the process
+        self.held = threading.Lock()  # a survivor saving its state holds the verdict off until the file is whole
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}/{kind}/{rank}"
@@ -145,8 +146,9 @@ class Heartbeat(threading.Thread):
     def _judge(self, ranks: list[int], reason: str) -> None:
         self.lost_ranks, self.reason = ranks, reason
         self.verdict.set()
-        if self.on_lost is not None:
-            self.on_lost(ranks, reason)
+        with self.held:
+            if self.on_lost is not None:
+                self.on_lost(ranks, reason)
 
     def finish(self) -> None:
         """This rank is done: peers stop watching it, and this thread stops."""
@@ -192,7 +194,7 @@ class RankWatchdog(Callback):
         folder = getattr(self._checkpointer, "dirpath", None)
         last = Path(folder) / "last.ckpt" if folder else None
         if restarts_possible():
-            advice = "torchrun restarts the job" + (f" from {last}" if last is not None and last.is_file() else "")
+            advice = "The launcher restarts the job" + (f" from {last}" if last is not None and last.is_file() else "")
         elif last is not None and last.is_file():
             advice = f"{last} is intact: restart with the same command plus --ckpt_path last"
         else:
@@ -206,6 +208,17 @@ class RankWatchdog(Callback):
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)
         os._exit(EXIT_CODE)  # the main thread may be stuck in a collective: it cannot be unwound
+
+    @contextlib.contextmanager
+    def held(self):
+        """While inside, a lost rank's verdict does not end this process (it does so right after): the
+        :class:`~app.callbacks.Elastic` callback writes the survivor's state inside it."""
+        heartbeat = self._heartbeat
+        if heartbeat is None:
+            yield
+            return
+        with heartbeat.held:
+            yield
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         # A collective that failed because a peer died (gloo: "Connection reset by peer") reaches here before the

@@ -29,6 +29,7 @@ Horovod semantics, on both backends:
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -67,6 +68,7 @@ class HorovodStrategy(ParallelStrategy):
         gradient_predivide_factor: float = 1.0,
         fusion_mb: float = 64.0,
         timeout: float = 1800.0,
+        max_restarts: int = 0,
         accelerator=None,
         parallel_devices=None,
         checkpoint_io=None,
@@ -82,6 +84,9 @@ class HorovodStrategy(ParallelStrategy):
             fusion_mb: Gradients are allreduced in buckets of up to this many MiB (Horovod's Tensor Fusion,
                 HOROVOD_FUSION_THRESHOLD); 0 sends every gradient on its own.
             timeout: Seconds a collective may wait for the other ranks before the run fails.
+            max_restarts: When this strategy starts its ranks itself (``--trainer.devices=N``, no mpirun around
+                it): after a rank fails, restart up to this many times on the ranks that survived, from the state
+                of the last completed step, in the same run folder (see docs/elastic.md).
         """
         if backend not in Backend.__args__:
             raise UserError(f"--trainer.strategy.backend={backend!r} must be one of {', '.join(Backend.__args__)}")
@@ -93,6 +98,8 @@ class HorovodStrategy(ParallelStrategy):
             raise UserError(
                 "--trainer.strategy.gradient_predivide_factor must be > 0, and 1.0 unless --trainer.strategy.op=average"
             )
+        if max_restarts < 0:
+            raise UserError(f"--trainer.strategy.max_restarts={max_restarts} must be >= 0 (0: no restarts)")
         if fusion_mb < 0:
             raise UserError(f"--trainer.strategy.fusion_mb={fusion_mb} must be >= 0 (0: no fusion)")
         if backend == "horovod" and not horovod_available():
@@ -102,7 +109,7 @@ class HorovodStrategy(ParallelStrategy):
             )
         self.backend = ("horovod" if horovod_available() else "mpi") if backend == "auto" else backend
         self.compression, self.op, self.predivide, self.timeout = compression, op, gradient_predivide_factor, timeout
-        self.fusion_mb = fusion_mb
+        self.fusion_mb, self.max_restarts = fusion_mb, max_restarts
         environment = MPILaunchEnvironment() if MPILaunchEnvironment.detect() else None
         super().__init__(accelerator, parallel_devices, environment, checkpoint_io, precision_plugin)
         self._num_nodes = 1
@@ -169,8 +176,19 @@ class HorovodStrategy(ParallelStrategy):
                     " or mpirun -np 8 -H a:4,b:4 ..."
                 )
             self._check_adasum_world_size(self.num_processes)
+            if self.max_restarts and self.num_processes == 1:
+                raise UserError(
+                    f"--trainer.strategy.max_restarts={self.max_restarts} restarts a run on the ranks that survive a "
+                    "failure; with one device there are none: use --trainer.devices=N (N > 1), or drop max_restarts"
+                )
             self._launcher = MPIRunLauncher(self) if self.num_processes > 1 else None
             return
+        if self.max_restarts:
+            raise UserError(
+                f"--trainer.strategy.max_restarts={self.max_restarts} restarts the ranks this strategy starts itself "
+                "(python cli.py fit --trainer.strategy=horovod --trainer.devices=N); under your own mpirun or "
+                "horovodrun, restarting is the launcher's job: drop max_restarts, or see docs/elastic.md"
+            )
         world, _, _, local_size = ranks
         on_cpu = self.parallel_devices is None or self.parallel_devices[0].type == "cpu"
         if not (self.num_processes == local_size or (on_cpu and self.num_processes == 1)):
@@ -223,6 +241,8 @@ class HorovodStrategy(ParallelStrategy):
             )
             # The group outlives fit (on_fit_end callbacks may still all_gather); app.process_group destroys it at
             # exit.
+        if self.world_size == 1:  # a group of one (e.g. a restart on one surviving rank): nothing to accumulate
+            warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True")
         rank_zero_info(
             f"horovod strategy: backend={self.backend}, {self.world_size} ranks, compression={self.compression}, "
             f"op={self.op}, fusion_mb={self.fusion_mb:g}"

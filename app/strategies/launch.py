@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.pytorch.loggers import CSVLogger
 
+from app.elastic import MPI_LAUNCH_DIR, MPI_RESTART, MPI_RESTARTS_LEFT, SAVED_STATE, keep_metrics_for_restart
 from app.errors import UserError
-from app.lightning_internals import ResultsLauncher
+from app.lightning_internals import ResultsLauncher, resume_from
 
 # (world size, rank, local rank, local size) variables of each launcher, most specific first.
 _LAUNCHER_VARS = (
@@ -195,41 +197,21 @@ class MPIRunLauncher(ResultsLauncher):
         return False
 
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
-        num_processes = self._strategy.num_processes
         remove_stale_launch_folders()
         workdir = Path(tempfile.mkdtemp(prefix=LAUNCH_PREFIX))  # mode 0700: only we can read it
-        job, result = workdir / "job.pkl", workdir / "result.pkl"
         try:
             (workdir / "launcher.pid").write_text(str(os.getpid()))
-            with open(job, "wb") as f:
-                pickle.dump(main_module_preparation(), f)  # unpickled first, so the job's classes can be found
-                pickle.dump((self, trainer, function, args, kwargs), f)
-            env = dict(
-                os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p), APP_LAUNCHER_PID=str(os.getpid())
-            )
-            if not sys.stdout.isatty():  # mpirun gives the ranks a terminal of its own; a log file wants plain text
-                env.update(TTY_COMPATIBLE="0", TTY_INTERACTIVE="0")
-            cmd = mpirun_command(num_processes) + [
-                "-x",
-                "TTY_COMPATIBLE",
-                "-x",
-                "TTY_INTERACTIVE",
-                "-x",
-                "APP_LAUNCHER_PID",
-            ]
-            cmd += [sys.executable, "-m", "app.strategies._mpi_worker", str(job), str(result)]
-            returncode, signum = _run_forwarding_signals(cmd, env, workdir)
-            if signum:
-                from app.callbacks.preemption import Preempted
-
-                raise Preempted(signum)
-            if (workdir / USER_ERROR).exists():
-                raise UserError((workdir / USER_ERROR).read_text())
-            if returncode != 0:
-                raise RuntimeError(
-                    f"the horovod ranks failed (mpirun exited with {returncode}); see their output above"
-                )
-            with open(result, "rb") as f:
+            restart = 0
+            while True:
+                returncode = self._run_ranks(workdir, restart, trainer, function, args, kwargs)
+                if returncode == 0:
+                    break
+                failed = f"the horovod ranks failed (mpirun exited with {returncode}); see their output above"
+                if restart >= self._strategy.max_restarts:
+                    raise RuntimeError(failed)
+                restart += 1
+                args, kwargs = self._prepare_restart(workdir, restart, trainer, function, args, kwargs, failed)
+            with open(workdir / "result.pkl", "rb") as f:
                 worker_output = pickle.load(f)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -238,10 +220,85 @@ class MPIRunLauncher(ResultsLauncher):
         self.recover_results(worker_output, trainer)
         return worker_output.trainer_results
 
+    def _run_ranks(self, workdir: Path, restart: int, trainer, function: Callable, args, kwargs) -> int:
+        """One ``mpirun`` of the job; returns its exit code (raises for a signal or a rank's bad-input message)."""
+        for stale in [*workdir.glob("rank-*.pid"), *workdir.glob(f"{SAVED_STATE}-*")]:
+            stale.unlink()
+        job = workdir / "job.pkl"
+        with open(job, "wb") as f:
+            pickle.dump(main_module_preparation(), f)  # unpickled first, so the job's classes can be found
+            pickle.dump((self, trainer, function, args, kwargs), f)
+        restarts_left = self._strategy.max_restarts - restart
+        env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(p for p in sys.path if p),
+            APP_LAUNCHER_PID=str(os.getpid()),
+            **{MPI_RESTARTS_LEFT: str(restarts_left), MPI_RESTART: str(restart), MPI_LAUNCH_DIR: str(workdir)},
+        )
+        if not sys.stdout.isatty():  # mpirun gives the ranks a terminal of its own; a log file wants plain text
+            env.update(TTY_COMPATIBLE="0", TTY_INTERACTIVE="0")
+        cmd = mpirun_command(self._strategy.num_processes)
+        if restarts_left:  # the other ranks live on when one dies, to save the state of the last step
+            cmd.append("--enable-recovery")
+        for name in ("TTY_COMPATIBLE", "TTY_INTERACTIVE", "APP_LAUNCHER_PID", MPI_RESTARTS_LEFT, MPI_RESTART):
+            cmd += ["-x", name]
+        cmd += ["-x", MPI_LAUNCH_DIR, sys.executable, "-m", "app.strategies._mpi_worker", str(job)]
+        cmd.append(str(workdir / "result.pkl"))
+        returncode, signum = _run_forwarding_signals(cmd, env, workdir)
+        if signum:
+            from app.callbacks.preemption import Preempted
+
+            raise Preempted(signum)
+        if (workdir / USER_ERROR).exists():
+            raise UserError((workdir / USER_ERROR).read_text())
+        return returncode
+
+    def _prepare_restart(self, workdir: Path, restart: int, trainer, function, args, kwargs, failed: str):
+        """After a failed mpirun: go on with the ranks that saved the state of the last completed step (the
+        survivors; a rank that died saved nothing, and its slot is left out), from that state, in the same run
+        folder. Returns the launched function's arguments with that checkpoint."""
+        from lightning.pytorch.cli import SaveConfigCallback  # jsonargparse: imported only when needed
+
+        from app.reductions import is_power_of_two
+
+        strategy = self._strategy
+        saved = {int(p.name.rsplit("-", 1)[1]): p.read_text() for p in workdir.glob(f"{SAVED_STATE}-*")}
+        ckpt = next((path for _, path in sorted(saved.items()) if Path(path).is_file()), None)
+        if trainer is None or ckpt is None:
+            raise RuntimeError(f"{failed}. No rank saved the state after a step, so the ranks are not restarted")
+        survivors = sorted(saved)
+        lost = [rank for rank in range(strategy.num_processes) if rank not in saved]
+        if strategy.op == "adasum" and not is_power_of_two(len(survivors)):
+            raise RuntimeError(
+                f"{failed}. {len(survivors)} rank(s) survived, but op=adasum needs a power-of-two number of ranks: "
+                f"not restarted. Continue with --ckpt_path {ckpt} on a power-of-two --trainer.devices"
+            )
+        devices = strategy.parallel_devices
+        strategy.parallel_devices = [devices[rank] for rank in survivors]  # a lost rank's device is left out
+        for logger in trainer.loggers:
+            if isinstance(logger, CSVLogger):
+                keep_metrics_for_restart(Path(logger.log_dir))  # its rows go back in front of the new ones
+        for callback in trainer.callbacks:
+            if isinstance(callback, SaveConfigCallback):  # config.yaml stays the first start's
+                callback.config_filename, callback.overwrite = f"config.restart{restart}.yaml", True
+        who = f"rank(s) {', '.join(map(str, lost))} lost" if lost else "no rank lost"
+        print(
+            f"horovod: {who} (mpirun exited with a failure); restart {restart} of at most {strategy.max_restarts} "
+            f"on {len(survivors)} rank(s), resuming from {ckpt} in the same run folder",
+            file=sys.stderr,
+            flush=True,
+        )
+        return resume_from(function, args, kwargs, ckpt)
+
     def run_in_rank(self, trainer, function: Callable, args: Any, kwargs: Any, result_path: str) -> None:
         """What every rank runs (called by ``_mpi_worker``)."""
         self._strategy.enter_mpi_launch()
-        results = function(*args, **kwargs)
+        try:
+            results = function(*args, **kwargs)
+        except BaseException as exception:
+            if trainer is not None:
+                _interrupted(trainer, exception)
+            raise
         if trainer is not None:
             results = self.collect_rank_zero_results(trainer, results)
         if self._strategy.global_rank == 0:
@@ -249,6 +306,19 @@ class MPIRunLauncher(ResultsLauncher):
             with open(tmp, "wb") as f:
                 pickle.dump(results, f)
             os.replace(tmp, result_path)
+
+
+def _interrupted(trainer, exception: BaseException) -> None:
+    """In a rank whose run raised: the ``on_exception`` hooks, as Lightning calls them around ``trainer.fit`` in the
+    launching process (the launched function runs without that wrapper). The :class:`~app.callbacks.Elastic`
+    callback saves a survivor's state here; the rank watchdog names a lost rank."""
+    for callback in trainer.callbacks:
+        callback.on_exception(trainer, trainer.lightning_module, exception)
+    if trainer.datamodule is not None:
+        trainer.datamodule.on_exception(exception)
+    trainer.strategy.on_exception(exception)
+    for logger in trainer.loggers:
+        logger.finalize("failed")
 
 
 LAUNCH_PREFIX = "horovod-launch-"
