@@ -608,3 +608,24 @@ def test_a_read_only_output_folder_is_one_line_before_any_work(read_only_disk, d
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "Read-only file system" in last and "default_root_dir" in last, last
+
+
+def test_a_lost_rank_verdict_waits_while_a_survivor_saves_its_state():
+    """The watchdog thread's verdict ends the process; while the Elastic callback writes the survivor's state
+    (inside ``RankWatchdog.held()``) it waits, and acts right after."""
+    import threading
+
+    from app.callbacks import RankWatchdog
+    from app.callbacks.rank_watchdog import Heartbeat
+
+    watchdog = RankWatchdog()
+    watchdog._heartbeat = Heartbeat(None, rank=0, world_size=2, timeout=5, interval=0.5, prefix="test")
+    acted = threading.Event()
+    watchdog._heartbeat.on_lost = lambda ranks, reason: acted.set()
+    with watchdog.held():
+        judge = threading.Thread(target=watchdog._heartbeat._judge, args=([1], "rank 1 has exited"))
+        judge.start()
+        assert watchdog._heartbeat.verdict.wait(5)  # judged at once (on_exception's wait is answered) ...
+        assert not acted.wait(0.3)  # ... but the process is not ended while the state is written
+    assert acted.wait(5)
+    judge.join(5)
