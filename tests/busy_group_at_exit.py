@@ -17,7 +17,8 @@ def rank_main(rank: int, world_size: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     for _ in range(10):
         dist.all_reduce(torch.ones(1000), async_op=True).wait()
-    dist.all_reduce(torch.ones(10), async_op=True)  # still in gloo's hands when the process exits
+    pending = [dist.all_reduce(torch.ones(10), async_op=True) for _ in range(20)]  # in gloo's hands at exit
+    del pending
 
 
 if __name__ == "__main__":

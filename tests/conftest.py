@@ -72,13 +72,13 @@ def made_once(path: Path):
 def parity(tmp_path_factory, data_dir):
     """``parity(name, *args, mpirun=0)``: the saved result of one ``tests/parity_run.py`` run, made once a session
     (once for all xdist workers: tests that share a run may run side by side)."""
-    from tests.parity import run_parity
+    from tests.parity import launch_of, run_parity
 
     out_dir = shared_dir(tmp_path_factory) / "parity"
 
     @cache
     def get(name: str, *args: str, mpirun: int = 0) -> dict:
-        with made_once(out_dir / name):
+        with made_once(out_dir / (launch_of(name) or name)):
             return run_parity(out_dir, data_dir, name, *args, mpirun=mpirun)
 
     return get

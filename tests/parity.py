@@ -38,14 +38,20 @@ def one_process(args: tuple[str, ...]) -> bool:
 
 def run_parity(out_dir: Path, data_dir: Path, name: str, *args: str, mpirun: int = 0) -> dict:
     """Run the case once. One-process cases run in this process (the launchers are not what they test, and a new
-    interpreter costs seconds of imports); every multi-process case runs as a user runs the script."""
+    interpreter costs seconds of imports); every multi-process case runs as a user runs the script; the variants
+    of :data:`LAUNCHES` run together, in one launch of their own."""
     out = out_dir / f"{name}.pt"
     recorded = out.with_suffix(".args")  # a name means one run: two tests that reuse it must mean the same run
     wanted = json.dumps([*args, mpirun])
     if recorded.exists() and recorded.read_text() != wanted:
         raise ValueError(f"parity run {name!r} was made with {recorded.read_text()}, now asked with {wanted}")
+    launch = launch_of(name)
+    if launch is not None and LAUNCHES[launch][1][name] != list(args):
+        raise ValueError(f"parity run {name!r} is made in the launch {launch!r} with {LAUNCHES[launch][1][name]}")
     recorded.write_text(wanted)
-    if not out.exists() and not mpirun and one_process(args):
+    if not out.exists() and launch is not None:
+        run_launch(out_dir, data_dir, launch)
+    elif not out.exists() and not mpirun and one_process(args):
         from tests import parity_run
 
         parity_run.main([str(out), "--data-dir", str(data_dir), *args])
@@ -53,9 +59,32 @@ def run_parity(out_dir: Path, data_dir: Path, name: str, *args: str, mpirun: int
         cmd = [sys.executable, str(SCRIPT), str(out), "--data-dir", str(data_dir), *args]
         if mpirun:
             cmd = [str(MPIRUN), "-np", str(mpirun), "--oversubscribe", *cmd]
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **MPI_ENV})
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        run_command(cmd)
     return torch.load(out, weights_only=True)
+
+
+def run_command(cmd: list[str]) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **MPI_ENV})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+
+
+def launch_of(name: str) -> str | None:
+    """The launch of :data:`LAUNCHES` that makes the run ``name``, if any (its lock, when tests ask at once)."""
+    return next((launch for launch, (_, runs) in LAUNCHES.items() if name in runs), None)
+
+
+def run_launch(out_dir: Path, data_dir: Path, launch: str) -> None:
+    """Every run of ``launch``, one after another in the same processes (``parity_run.py --batch``)."""
+    launcher, runs = LAUNCHES[launch]
+    batch = out_dir / f"{launch}.json"
+    batch.write_text(json.dumps([[str(out_dir / f"{n}.pt"), "--data-dir", str(data_dir), *a] for n, a in runs.items()]))
+    script = [str(SCRIPT), "--batch", str(batch)]
+    if launcher == "torchrun":
+        run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script])
+    elif launcher == "python":
+        run_command([sys.executable, *script])
+    else:
+        run_command([str(MPIRUN), "-np", "2", "--oversubscribe", sys.executable, *script])
 
 
 def relative_error(result: dict, reference: dict) -> float:
@@ -80,3 +109,47 @@ CASES = {
     "horovod_self_launched": ["--strategy", "horovod", "--devices", "2", "--batch-size", "8"],
 }
 REFERENCE = ["--devices", "1", "--batch-size", "16"]
+
+# Variants of a strategy (accumulation, precision, callbacks, compression) run one after another in one launch of
+# 2 processes, instead of a launch each: every interpreter start costs ~5 CPU-seconds of imports, more than a
+# variant's training. They run under the launchers users type themselves, torchrun for ddp and mpirun for
+# horovod; the plain cases (CASES, "horovod_mpirun") keep a launch of their own through the launcher they name.
+BN_WARMUP = ["--norm", "batch", "--warmup-steps", "2"]
+VARIANT_CASES = {  # the strategies the variant tests are parametrized over; "horovod" runs under mpirun -np 2
+    "dp": CASES["dp"],
+    "ddp": CASES["ddp"],
+    "ddp_spawn": CASES["ddp_spawn"],
+    "horovod": CASES["horovod_self_launched"],
+}
+LAUNCHES = {
+    "ddp_variants": (
+        "torchrun",
+        {
+            "ddp_acc2": [*CASES["ddp"], "--accumulate", "2"],
+            "ddp_float32": [*CASES["ddp"], "--precision", "32-true"],
+            "ddp_bf16_mixed": [*CASES["ddp"], "--precision", "bf16-mixed"],
+            "ddp_bn_sync": [*CASES["ddp"], *BN_WARMUP, "--sync-bn", "--checkpointing"],
+            "ddp_bn_plain": [*CASES["ddp"], *BN_WARMUP],
+            "ddp_fp16_comm_hook": [*CASES["ddp"], "--comm-hook", "fp16"],
+            "ddp_bf16_comm_hook": [*CASES["ddp"], "--comm-hook", "bf16"],
+        },
+    ),
+    "ddp_spawn_variants": (  # each fit spawns its own ranks: one launching process for all
+        "python",
+        {
+            "ddp_spawn_bf16_mixed": [*CASES["ddp_spawn"], "--precision", "bf16-mixed"],
+            "ddp_spawn_ckpt": [*CASES["ddp_spawn"], "--checkpointing"],
+        },
+    ),
+    "horovod_variants": (
+        "mpirun",
+        {
+            "horovod_acc2": [*VARIANT_CASES["horovod"], "--accumulate", "2"],
+            "horovod_fp16": [*VARIANT_CASES["horovod"], "--compression", "fp16"],
+            "horovod_bf16_mixed": [*VARIANT_CASES["horovod"], "--precision", "bf16-mixed"],
+            "horovod_ckpt": [*VARIANT_CASES["horovod"], "--checkpointing"],
+            "horovod_bn_sync": [*VARIANT_CASES["horovod"], *BN_WARMUP, "--sync-bn", "--checkpointing"],
+            "horovod_bn_plain": [*VARIANT_CASES["horovod"], *BN_WARMUP],
+        },
+    ),
+}

@@ -4,10 +4,12 @@ Run as a script so that every launcher works as a user would use it: Lightning's
 children, ddp_spawn pickles the trainer, mpirun starts it once per rank, and horovod self-launches under mpirun.
 
     python tests/parity_run.py OUT --data-dir D --strategy ddp --devices 2 --batch-size 8
+    torchrun --standalone --nproc_per_node=2 tests/parity_run.py --batch RUNS.json    # several runs, one launch
 """
 
 import argparse
 import json
+import sys
 from functools import partial
 
 import torch
@@ -116,5 +118,17 @@ class SaveResult(Callback):
             print(json.dumps(metrics))
 
 
+def main_batch(batch: str) -> None:
+    """``--batch FILE``: the runs listed in FILE (a JSON list of argument lists), one after another in these same
+    processes (the process group formed by the first run serves the others)."""
+    with open(batch) as f:
+        runs = json.load(f)
+    for argv in runs:
+        main(argv)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--batch"]:
+        main_batch(sys.argv[2])
+    else:
+        main()

@@ -22,7 +22,7 @@ from app.model import ImageClassifier
 from app.networks import build_resnet
 from bench.checkpointing import saved_bytes
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
-from tests.parity import CASES, REFERENCE, TOLERANCE, buffer_error, relative_error
+from tests.parity import BN_WARMUP, REFERENCE, TOLERANCE, VARIANT_CASES, buffer_error, relative_error
 
 
 # ================================================================================================ SyncBatchNorm
@@ -95,12 +95,11 @@ def test_allreduce_batchnorm_without_process_group_is_plain_batchnorm():
     assert isinstance(plain, nn.BatchNorm2d)
 
 
-BN_WARMUP = ["--norm", "batch", "--warmup-steps", "2"]
 BN_REFERENCE = [*REFERENCE, *BN_WARMUP]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp", "horovod_mpirun"])
+@pytest.mark.parametrize("name", ["ddp", "horovod"])
 def test_sync_batchnorm_ddp_and_horovod_train_like_one_device(parity, name):
     """BatchNorm network, 2 ranks x 8 = one process x 16: weights AND running statistics, only with the callback.
 
@@ -108,11 +107,10 @@ def test_sync_batchnorm_ddp_and_horovod_train_like_one_device(parity, name):
     what is computed.
     """
     reference = parity("reference_bn", *BN_REFERENCE)
-    case, mpirun = (CASES["horovod_self_launched"], 2) if name == "horovod_mpirun" else (CASES[name], 0)
-    synced = parity(f"{name}_bn_sync", *case, *BN_WARMUP, "--sync-bn", "--checkpointing", mpirun=mpirun)
+    synced = parity(f"{name}_bn_sync", *VARIANT_CASES[name], *BN_WARMUP, "--sync-bn", "--checkpointing")
     assert relative_error(synced, reference) < TOLERANCE
     assert buffer_error(synced, reference) < TOLERANCE
-    plain = parity(f"{name}_bn_plain", *case, *BN_WARMUP, mpirun=mpirun)
+    plain = parity(f"{name}_bn_plain", *VARIANT_CASES[name], *BN_WARMUP)
     assert buffer_error(plain, reference) > 1e-3  # each rank's own statistics: not the global batch's
 
 
@@ -327,10 +325,10 @@ def test_checkpointing_that_matches_nothing_names_the_flag():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp", "ddp_spawn", "horovod_self_launched"])
+@pytest.mark.parametrize("name", ["dp", "ddp_spawn", "horovod"])
 def test_checkpointing_under_strategies_trains_like_one_device(parity, name):
     reference = parity("reference", *REFERENCE)
-    result = parity(f"{name}_ckpt", *CASES[name], "--checkpointing")
+    result = parity(f"{name}_ckpt", *VARIANT_CASES[name], "--checkpointing")
     assert relative_error(result, reference) < TOLERANCE
 
 

@@ -22,7 +22,16 @@ from app.strategies import DataParallelStrategy, HorovodStrategy
 from app.strategies.dp import combine_outputs, in_context, split_batch
 from app.strategies.horovod import horovod_available
 from tests.conftest import ROOT, run_cli
-from tests.parity import CASES, FLOAT32_TOLERANCE, REFERENCE, TOLERANCE, check_steps, relative_error, run_parity
+from tests.parity import (
+    CASES,
+    FLOAT32_TOLERANCE,
+    REFERENCE,
+    TOLERANCE,
+    VARIANT_CASES,
+    check_steps,
+    relative_error,
+    run_parity,
+)
 from tests.parity_run import DTYPES
 
 
@@ -43,10 +52,10 @@ def test_strategy_trains_like_one_device(parity, name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp", "ddp", "horovod_self_launched"])
+@pytest.mark.parametrize("name", ["dp", "ddp", "horovod"])
 def test_gradient_accumulation_matches_one_device(parity, name):
     reference = parity("reference_acc2", *REFERENCE, "--accumulate", "2")
-    result = parity(f"{name}_acc2", *CASES[name], "--accumulate", "2")
+    result = parity(f"{name}_acc2", *VARIANT_CASES[name], "--accumulate", "2")
     check_steps(name, result, reference)  # optimizer steps, not batches
     assert relative_error(result, reference) < TOLERANCE
     assert result["metrics"]["train/loss_epoch"] == pytest.approx(reference["metrics"]["train/loss_epoch"], rel=1e-4)
@@ -79,10 +88,10 @@ BF16_TOLERANCE = 1e-3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
 def test_bf16_mixed_trains_like_one_device_and_computes_in_bf16_everywhere(parity, name):
     reference = parity("reference_bf16_mixed", *REFERENCE, "--precision", "bf16-mixed")
-    result = parity(f"{name}_bf16_mixed", *CASES[name], "--precision", "bf16-mixed")
+    result = parity(f"{name}_bf16_mixed", *VARIANT_CASES[name], "--precision", "bf16-mixed")
     assert relative_error(result, reference) < BF16_TOLERANCE
     # every training forward of every rank (dp: of every chunk) ran its convolutions in bf16
     counts = result["compute_dtypes"]
