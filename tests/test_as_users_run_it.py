@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import pty
 import select
 import signal
@@ -351,7 +352,7 @@ def test_stopping_a_self_launched_horovod_run_leaves_no_rank_behind(signum, tmp_
     assert "\x1b" not in text
     if signum == signal.SIGTERM:
         assert code == 143, text[-3000:]
-        assert "SIGTERM: stopped after step" in text
+        assert re.search(r"SIGTERM: stopped (in the validation )?after step", text), text[-3000:]  # (as it landed)
         assert last.stat().st_mtime_ns > stamp  # the stop's own checkpoint
     else:
         assert code == -signal.SIGKILL
