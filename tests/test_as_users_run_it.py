@@ -6,8 +6,8 @@ import contextlib
 import fcntl
 import json
 import os
-import re
 import pty
+import re
 import select
 import signal
 import struct
