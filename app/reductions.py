@@ -168,17 +168,25 @@ class GradientAllreduce:
             hook.remove()
 
 
-def adasum(a: Tensor, b: Tensor, sizes: Sequence[int]) -> Tensor:
+def segment_index(sizes: Sequence[int], device: torch.device) -> Tensor:
+    """For each element of a flat vector made of tensors of ``sizes`` elements, the number of its tensor (int32)."""
+    return torch.repeat_interleave(
+        torch.arange(len(sizes), dtype=torch.int32, device=device),
+        torch.tensor(sizes, device=device),
+        output_size=sum(sizes),
+    )
+
+
+def adasum(a: Tensor, b: Tensor, sizes: Sequence[int], segment: Tensor | None = None) -> Tensor:
     """Adasum of two flat vectors made of tensors of ``sizes`` elements, tensor by tensor.
 
     Adasum(a, b) = (1 - a.b / (2|a|^2)) a + (1 - a.b / (2|b|^2)) b, with the dot products and squared norms in
     float64, and a coefficient of 1 for a vector whose squared norm is below 1e-8. Orthogonal vectors add up;
-    equal ones give themselves (an average).
+    equal ones give themselves (an average). ``segment``: :func:`segment_index` of ``sizes``, if the caller keeps it.
     """
     a64, b64 = a.double(), b.double()
-    segment = torch.repeat_interleave(
-        torch.arange(len(sizes), device=a.device), torch.tensor(sizes, device=a.device), output_size=a.numel()
-    )
+    if segment is None:
+        segment = segment_index(sizes, a.device)
 
     def per_tensor(x: Tensor) -> Tensor:
         return torch.zeros(len(sizes), dtype=torch.float64, device=a.device).index_add_(0, segment, x)
@@ -194,7 +202,9 @@ def is_power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def adasum_allreduce_(flat: Tensor, sizes: Sequence[int], wire_dtype: torch.dtype | None = None) -> None:
+def adasum_allreduce_(
+    flat: Tensor, sizes: Sequence[int], wire_dtype: torch.dtype | None = None, segment: Tensor | None = None
+) -> None:
     """Replace ``flat`` on every rank of the default group by the Adasum of all ranks' ``flat``, in place.
 
     Recursive distance-doubling: at distance d = 1, 2, 4, ... each rank swaps its vector with rank ^ d and both
@@ -214,7 +224,9 @@ def adasum_allreduce_(flat: Tensor, sizes: Sequence[int], wire_dtype: torch.dtyp
         for request in dist.batch_isend_irecv(ops):
             request.wait()
         mine, theirs = mine.to(flat.dtype), theirs.to(flat.dtype)
-        flat.copy_(adasum(mine, theirs, sizes) if rank < peer else adasum(theirs, mine, sizes))
+        if segment is None:
+            segment = segment_index(sizes, flat.device)
+        flat.copy_(adasum(mine, theirs, sizes, segment) if rank < peer else adasum(theirs, mine, sizes, segment))
         distance *= 2
 
 
@@ -230,6 +242,9 @@ class AdasumDelta:
     def __init__(self, backend: str, compression: Compression = "none") -> None:
         self.backend = backend
         self.wire_dtype = WIRE_DTYPES[compression]
+        # Each element's tensor number, made once per set of tensors (the same at every step): one int32 per
+        # parameter, instead of building it again at every exchange.
+        self._segments: dict[tuple, Tensor] = {}
 
     @contextmanager
     def step(self, optimizer: torch.optim.Optimizer) -> Iterator[None]:
@@ -263,6 +278,9 @@ class AdasumDelta:
             return
         sizes = [d.numel() for d in deltas]
         flat = torch.cat([d.reshape(-1) for d in deltas])
-        adasum_allreduce_(flat, sizes, self.wire_dtype)
+        key = (tuple(sizes), flat.device)
+        if key not in self._segments:
+            self._segments[key] = segment_index(sizes, flat.device)
+        adasum_allreduce_(flat, sizes, self.wire_dtype, self._segments[key])
         for delta, chunk in zip(deltas, flat.split(sizes), strict=True):
             delta.copy_(chunk.view_as(delta))

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from app.errors import UserError
-from app.reductions import adasum, fusion_buckets
+from app.reductions import adasum, fusion_buckets, segment_index
 from app.strategies import HorovodStrategy
 from tests import reduction_run
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
@@ -153,6 +153,8 @@ def test_adasum_formula_per_tensor():
     torch.testing.assert_close(got, want, rtol=1e-14, atol=1e-14)
     # whole-vector Adasum is not the same thing: the coefficients are per tensor
     assert not torch.allclose(got, adasum(a, b, [8]))
+    # AdasumDelta keeps the element -> tensor index of its model and passes it in: the same result
+    assert torch.equal(adasum(a, b, [3, 5], segment_index([3, 5], a.device)), got)
 
 
 def test_adasum_adds_orthogonal_vectors_and_keeps_equal_ones():
