@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from tests import warm
 from tests.conftest import ROOT
 
 SCRIPT = ROOT / "tests" / "parity_run.py"
@@ -64,7 +65,8 @@ def run_parity(out_dir: Path, data_dir: Path, name: str, *args: str, mpirun: int
 
 
 def run_command(cmd: list[str]) -> None:
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **MPI_ENV})
+    run = warm.run if cmd[0] == sys.executable and cmd[1].endswith(".py") else subprocess.run
+    result = run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **MPI_ENV})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 

@@ -3,7 +3,6 @@
 import csv
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -21,6 +20,7 @@ from app.errors import UserError
 from app.model import ImageClassifier
 from app.networks import build_resnet
 from bench.checkpointing import saved_bytes
+from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
 from tests.parity import BN_WARMUP, REFERENCE, TOLERANCE, VARIANT_CASES, buffer_error, relative_error
 
@@ -199,10 +199,10 @@ def fit_one_epoch(data_dir, *extra: str) -> None:
 
 
 def cli_fit(workdir, data_dir, *extra: str) -> None:
-    """``python cli.py fit`` on the CPU test preset in a fresh interpreter (multi-process strategies need one)."""
+    """``python cli.py fit`` on the CPU test preset in its own process (multi-process strategies need one)."""
     cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG), "--data.data_dir"]
     cmd += [str(data_dir), "--trainer.max_epochs=1", *extra]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=workdir, env=dict(os.environ))
+    result = warm.run(cmd, capture_output=True, text=True, timeout=300, cwd=workdir, env=dict(os.environ))
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 

@@ -12,6 +12,7 @@ import yaml
 
 from app.model import ImageClassifier, load_network, network_state_dict
 from app.networks import build_resnet
+from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
 
 
@@ -25,11 +26,11 @@ def epoch_values(rows, key):
 
 
 def fit_in_subprocess(workdir, data_dir, *extra: str) -> subprocess.CompletedProcess:
-    """``python cli.py fit`` on the CPU test preset in a fresh interpreter, as a user runs it."""
+    """``python cli.py fit`` on the CPU test preset in its own process (tests/warm.py)."""
     cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG)]
     cmd += ["--data.data_dir", str(data_dir), "--trainer.max_epochs=1", *extra]
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=workdir, env=env)
+    return warm.run(cmd, capture_output=True, text=True, timeout=300, cwd=workdir, env=env)
 
 
 @pytest.mark.slow
@@ -158,7 +159,7 @@ def test_a_wrong_option_of_a_strategy_or_callback_is_one_plain_line(flags, want,
 
 
 def test_bad_value_is_one_line_error_with_exit_2(workdir):
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, str(ROOT / "cli.py"), "fit", "--data.batch_size=0", "--data.source=synthetic"],
         capture_output=True,
         text=True,

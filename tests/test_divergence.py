@@ -8,13 +8,14 @@ import pytest
 import torch
 
 from app.callbacks import StopOnNonFinite
+from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT
 
 
 def fit(cwd, root, data_dir, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG)]
     cmd += ["--data.data_dir", str(data_dir), f"--trainer.default_root_dir={root}", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
+    return warm.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def checkpoints(root) -> dict:

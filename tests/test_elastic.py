@@ -29,6 +29,7 @@ from app.errors import UserError
 from app.loader import ResumableLoader, ResumableSampler
 from app.model import CHECKPOINT_FORMAT, DEFAULT_SGD, FORMAT_KEY, check_compatible, load_checkpoint
 from app.strategies import HorovodStrategy
+from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
 from tests.parity import MPI_ENV
 from tests.record_samples import read_records
@@ -193,7 +194,7 @@ def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one_each_sample_once
     epoch is dealt out to the one process, and the run ends at the step count of an unbroken 2-process run."""
     root, records = tmp_path / "runs", tmp_path / "records"
     stop = {"class_path": "tests.signal_at_step.SignalAtStep", "init_args": {"step": 2, "rank": 1}}
-    stopped = subprocess.run(
+    stopped = warm.run(
         [sys.executable, *fit_args(data_dir, root, records, "--trainer.strategy=ddp", "--trainer.devices=2")]
         + ["--trainer.callbacks+=" + json.dumps(stop)],
         cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240,
@@ -204,7 +205,7 @@ def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one_each_sample_once
     assert 2 < step < SAMPLES // (2 * BATCH)  # part-way through epoch 0
     assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["samples"] == step * 2 * BATCH
 
-    resumed = subprocess.run(
+    resumed = warm.run(
         [sys.executable, *fit_args(data_dir, root, records, "--trainer.devices=1", "--ckpt_path=last")],
         cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240,
     )  # fmt: skip
@@ -225,7 +226,7 @@ def test_a_lost_horovod_rank_is_restarted_from_the_survivors_state_each_sample_o
     lose = {"class_path": "tests.lose_node.LoseRankAtStep", "init_args": {"step": 3, "rank": 1}}
     args = fit_args(data_dir, root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
     args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(lose)]
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, *args], cwd=elsewhere, env=env(**MPI_ENV), capture_output=True, text=True, timeout=300
     )
     output = result.stdout + result.stderr

@@ -16,7 +16,7 @@ from torch import nn
 from app.errors import UserError
 from app.reductions import adasum, fusion_buckets, segment_index
 from app.strategies import HorovodStrategy
-from tests import reduction_run
+from tests import reduction_run, warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
 from tests.parity import CASES, MPI_ENV, MPIRUN, REFERENCE
 from tests.parity import relative_error as relative_error_of
@@ -311,9 +311,7 @@ def test_bad_input_found_in_the_self_launched_horovod_ranks_is_one_line(tmp_path
     ranks' message once, exit 2, with no traceback from any rank or from the launcher."""
     cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}"]
     cmd += ["--trainer.strategy=horovod", "--trainer.devices=2", "--trainer.callbacks+=app.callbacks.DDPCommHook"]
-    result = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, **MPI_ENV}
-    )
+    result = warm.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, **MPI_ENV})
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

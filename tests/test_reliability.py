@@ -26,6 +26,7 @@ import yaml
 from app.checkpoint_io import atomic_torch_save, safe_torch_load
 from app.errors import UserError
 from app.model import load_checkpoint
+from tests import warm
 from tests.atomic_writer import write_forever
 from tests.conftest import CPU_TEST_CONFIG, ROOT, made_once, run_cli, shared_dir
 
@@ -49,9 +50,7 @@ def env() -> dict:
 
 
 def fit(cwd: Path, data_dir, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        fit_command(data_dir, *args), cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout
-    )
+    return warm.run(fit_command(data_dir, *args), cwd=cwd, env=env(), capture_output=True, text=True, timeout=timeout)
 
 
 def signal_at_step(step: int, name: str, rank: int, **more) -> str:
@@ -292,7 +291,7 @@ def rank_of(pid: int) -> int | None:
 def start(cwd: Path, data_dir, *args: str) -> tuple[subprocess.Popen, Path]:
     log = cwd / "run.log"
     with open(log, "w") as out:
-        process = subprocess.Popen(
+        process = warm.popen(
             fit_command(data_dir, "--trainer.max_epochs=1000", *args), cwd=cwd, env=env(), stdout=out, stderr=out
         )
     return process, log
@@ -539,7 +538,7 @@ def test_runs_started_at_once_in_one_root_each_get_their_own_folder(workdir, dat
     """Three runs started together: three version folders, each with its own whole config and hparams."""
     args = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1"]
     runs = [
-        subprocess.Popen(
+        warm.popen(
             fit_command(data_dir, *args, f"--model.label_smoothing={smoothing}"),
             cwd=workdir,
             env=env(),

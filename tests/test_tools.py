@@ -16,6 +16,7 @@ from app.idx import read_idx
 from app.model import ImageClassifier, load_network
 from app.networks import build_resnet
 from app.plot import epoch_metrics
+from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
 
 
@@ -34,7 +35,7 @@ def run_dir(tmp_path_factory, data_dir):
 
 def cli(*args: str, cwd) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "cli.py"), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
+    return warm.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def normalized(images: torch.Tensor) -> torch.Tensor:
@@ -216,7 +217,7 @@ def test_predict_with_two_processes_predicts_every_image_once(run_dir, data_dir,
     args = ["predict", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--ckpt_path", str(ckpt)]
     args += ["--data.predict_dir", str(folder), f"--trainer.strategy={strategy}", "--trainer.devices=2"]
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    result = subprocess.run(
+    result = warm.run(
         [sys.executable, str(ROOT / "cli.py"), *args],
         capture_output=True,
         text=True,
