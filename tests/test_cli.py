@@ -209,3 +209,27 @@ def test_rerunning_a_runs_config_yaml_keeps_that_run_and_logs_to_a_new_folder(wo
     assert {p.relative_to(v0): p.read_bytes() for p in v0.rglob("*") if p.is_file()} == before
     v1 = workdir / "lightning_logs" / "version_1"
     assert read_metrics(v1) and (v1 / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.parametrize(
+    ("argv", "built"),
+    [
+        (["fit", "--print_config"], ["fit"]),
+        (["predict", "--print_config"], ["predict"]),
+        (["--help"], ["fit", "validate", "test", "predict"]),  # the top-level help lists them all
+    ],
+)
+def test_only_the_subcommand_asked_for_gets_a_parser(argv, built, monkeypatch, capsys):
+    """Each subcommand's parser takes about 0.2 s to build; ``cli.py fit`` needs fit's only."""
+    from app.cli import Parser, main
+
+    seen = []
+    add = Parser.add_method_arguments
+    monkeypatch.setattr(
+        Parser, "add_method_arguments", lambda self, k, name, **kw: seen.append(name) or add(self, k, name, **kw)
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code in (0, None)
+    assert seen == built
+    assert "fit" in capsys.readouterr().out
