@@ -1,5 +1,9 @@
 """The template as people run it: cli.py started from another folder than the run's root, classes defined in the
 user's own script, Lightning's standard switches beside ours, a terminal read off the screen, stderr read for noise.
+
+Each test's first run is a fresh interpreter, as a person starts it: import-time warnings and the module search
+path are part of what is tested. A test's later runs of cli.py (a second root, a resume, a refused rerun) are
+forked from a warm interpreter (tests/warm.py), which is the same run less 7 CPU-seconds of imports.
 """
 
 import contextlib
@@ -26,6 +30,7 @@ from app.cli import main
 from app.model import load_checkpoint
 from app.plot import epoch_metrics
 from app.strategies.launch import remove_stale_launch_folders
+from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT
 
 pytestmark = pytest.mark.slow
@@ -42,10 +47,12 @@ def cli_command(data_dir, *args: str) -> list[str]:
     ]
 
 
-def run(cmd: list[str], cwd: Path, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+def run(cmd: list[str], cwd: Path, timeout: float = 240, fresh: bool = True) -> subprocess.CompletedProcess:
+    """``cmd`` in a fresh interpreter, or forked from a warm one (``fresh=False``) for a test's later runs."""
     # PYTHONPATH: a YAML config may name tests.test_as_users_run_it.Marker (a user's own module on the path).
-    environ = {**os.environ, **MPI_ENV, "PYTHONPATH": str(ROOT), **env}
-    return subprocess.run(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout)
+    environ = {**os.environ, **MPI_ENV, "PYTHONPATH": str(ROOT)}
+    launch = subprocess.run if fresh else warm.run
+    return launch(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout)
 
 
 def noise(stderr: str) -> list[str]:
@@ -79,13 +86,14 @@ def test_runs_land_under_default_root_dir_and_resume_from_there(tmp_path, data_d
     assert (root / "lightning_logs" / "version_0" / "metrics.csv").is_file()
     assert not (elsewhere / "lightning_logs").exists()
 
-    second = run(cli_command(data_dir, f"--trainer.default_root_dir={other}"), cwd=elsewhere)
+    second = run(cli_command(data_dir, f"--trainer.default_root_dir={other}"), cwd=elsewhere, fresh=False)
     assert second.returncode == 0, second.stderr[-3000:]
     assert (other / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
 
     resumed = run(
         cli_command(data_dir, f"--trainer.default_root_dir={root}", "--trainer.max_epochs=2", "--ckpt_path=last"),
         cwd=elsewhere,
+        fresh=False,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert noise(resumed.stderr) == [], noise(resumed.stderr)  # no "dirpath changed"
@@ -99,6 +107,7 @@ def test_runs_land_under_default_root_dir_and_resume_from_there(tmp_path, data_d
         [sys.executable, str(ROOT / "cli.py"), "test", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}",
          f"--trainer.default_root_dir={root}", "--ckpt_path=best"],
         cwd=elsewhere,
+        fresh=False,
     )  # fmt: skip
     assert best.returncode == 0, best.stderr[-3000:]
     assert "--ckpt_path best: " in best.stderr + best.stdout and "epoch=" in best.stderr + best.stdout
@@ -147,14 +156,14 @@ def test_without_a_logger_a_second_run_never_overwrites_the_first_and_a_resume_c
     before = last.read_bytes()
     assert not (root / "config.yaml").exists()  # no run folder to put it in; not into the root itself
 
-    again = run(command, cwd=tmp_path)
+    again = run(command, cwd=tmp_path, fresh=False)
     assert again.returncode == 2, again.stderr[-3000:]
     *_, line = again.stderr.strip().splitlines()  # after the seed's line
     assert "Traceback" not in again.stderr
     assert f"error: {root / 'checkpoints'}: holds an earlier run's checkpoints" in line and "--ckpt_path last" in line
     assert last.read_bytes() == before
 
-    resumed = run(command + ["--trainer.max_epochs=3", "--ckpt_path=last"], cwd=tmp_path)
+    resumed = run(command + ["--trainer.max_epochs=3", "--ckpt_path=last"], cwd=tmp_path, fresh=False)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert noise(resumed.stderr) == [], noise(resumed.stderr)
     assert load_checkpoint(last)["epoch"] == 2
@@ -178,12 +187,12 @@ def test_a_yaml_callbacks_list_keeps_the_default_callbacks(tmp_path, data_dir):
     checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": str(mine)}}
     config.write_text(yaml.safe_dump({"trainer": {"callbacks": [own, checkpoint]}}))
     args = ("--config", str(config), f"--trainer.default_root_dir={root}", "--drop_callbacks=[RunReport]")
-    result = run(cli_command(data_dir, *args), cwd=tmp_path)
+    result = run(cli_command(data_dir, *args), cwd=tmp_path, fresh=False)
     assert result.returncode == 0, result.stderr[-3000:]
     assert list(mine.glob("*.ckpt")) and not (root / "lightning_logs" / "version_1" / "checkpoints").exists()
     assert "Run report" not in result.stdout
 
-    result = run(cli_command(data_dir, "--drop_callbacks=[RunReprt]"), cwd=tmp_path)
+    result = run(cli_command(data_dir, "--drop_callbacks=[RunReprt]"), cwd=tmp_path, fresh=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1:] == [
         "error: --drop_callbacks: 'RunReprt' is not a default callback (did you mean RunReport?); they are "
