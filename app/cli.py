@@ -156,6 +156,8 @@ def nested_option_error(line: str) -> str | None:
 class Parser(LightningArgumentParser):
     """Parse errors as one line (no 70-line usage), with the closest flag when one was mistyped."""
 
+    config_files: dict[Path, object] = {}  # the --config files of this command line, as read (check_config_files)
+
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:
             return super().error(message, ex)
@@ -169,6 +171,11 @@ class Parser(LightningArgumentParser):
             close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.75)
             if close:
                 line += f" (did you mean {close[0] if flag in line else close[0][2:]}?)"
+                break
+        for flag in unknown:  # a key of a YAML config: which file holds it
+            holder = next((path for path, data in self.config_files.items() if has_key(data, flag[2:])), None)
+            if holder is not None and str(holder) not in line:
+                line = f"{holder}: {line}"
                 break
         line = nested_option_error(line) or line
         prog = parser.prog.replace(" [options]", "")
@@ -623,18 +630,31 @@ def check_devices(devices) -> None:
 
 
 def check_config_files(argv: list[str]) -> None:
-    """A ``--config`` file that is not valid YAML: name the file and the line (jsonargparse names neither)."""
-    paths = [b for a, b in zip(argv, argv[1:], strict=False) if a == "--config"]
-    paths += [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    """A ``--config`` file that is not valid YAML: name the file and the line (jsonargparse names neither). The files
+    read are kept for :class:`Parser`'s errors, which name the file of a mistyped key."""
+    paths = [b for a, b in zip(argv, argv[1:], strict=False) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith(("--config=", "-c="))]
+    Parser.config_files = {}
     for path in map(Path, paths):
         if path.is_file():
             try:
-                yaml.safe_load(path.read_text())
+                Parser.config_files[path] = yaml.safe_load(path.read_text())
             except yaml.YAMLError as err:
                 mark = getattr(err, "problem_mark", None)
                 where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
                 problem = getattr(err, "problem", None) or str(err).splitlines()[0]
                 raise UserError(f"{path}: not valid YAML ({where.strip()} {problem}); fix the file") from None
+
+
+def has_key(data: object, dotted: str) -> bool:
+    """Whether the YAML ``data`` holds ``dotted`` (``trainer.max_epoch``), at its top or under a subcommand's key."""
+    if isinstance(data, dict) and any(has_key(data.get(sub), dotted) for sub in LightningCLI.subcommands()):
+        return True
+    for key in dotted.split("."):
+        if not isinstance(data, dict) or key not in data:
+            return False
+        data = data[key]
+    return True
 
 
 def strategy_options_by_name(argv: list[str]) -> list[str]:
