@@ -233,11 +233,18 @@ class CLI(LightningCLI):
         self.parser.epilog = TOOLS_EPILOG  # plot and export are ours, dispatched in main()
 
     def parse_arguments(self, parser, args) -> None:
-        """Lightning's, with a strategy's options accepted after its short name (:func:`strategy_options_by_name`)."""
+        """Lightning's, with a strategy's options accepted after its short name (:func:`strategy_options_by_name`),
+        and the trainer's settings checked before anything runs (Lightning seeds and prints "Seed set to" next)."""
         argv = sys.argv[1:] if args is None else args
         if not isinstance(argv, list):
-            return super().parse_arguments(parser, args)
-        self.config = parser.parse_args(strategy_options_by_name(argv))
+            super().parse_arguments(parser, args)
+        else:
+            self.config = parser.parse_args(strategy_options_by_name(argv))
+        subcommand = self.config.get("subcommand")
+        trainer = (self.config[subcommand] if subcommand else self.config).trainer
+        check_strategy_name(trainer.strategy)
+        check_devices(trainer.devices)
+        check_trainer_numbers(trainer)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults(
@@ -267,9 +274,6 @@ class CLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self._subconfig(self.config)
-        check_strategy_name(config.trainer.strategy)
-        check_devices(config.trainer.devices)
-        check_trainer_numbers(config.trainer)
         # The default loggers write under --trainer.default_root_dir, as Lightning's own default logger does;
         # a logger given with another save_dir keeps it.
         root = config.trainer.default_root_dir

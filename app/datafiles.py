@@ -15,6 +15,7 @@ Sources (``--data.source``):
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 from collections.abc import Callable
@@ -91,9 +92,11 @@ class FashionMNISTFiles:
             return
         if self.real_present():
             return
+        made = [d for d in (self.real_dir, *self.real_dir.parents) if not d.exists()]  # deepest first
         try:
             download()
         except Exception as err:  # torchvision raises RuntimeError/URLError/OSError; each means "no files"
+            remove_empty(made)  # a failed download leaves no empty folders behind (data_dir itself included)
             if self.source == "fashion_mnist":
                 reason = re.sub(r"\s*Tried \S+ got:\s*", " ", " ".join(str(err).split()))  # torchvision: 3 lines
                 raise DataFileError(
@@ -159,6 +162,13 @@ class FashionMNISTFiles:
         if len(labels) and int(labels.max()) >= len(CLASSES):
             raise DataFileError(f"{folder / labels_file}: label {int(labels.max())} out of range 0..{len(CLASSES) - 1}")
         return images, labels.long()
+
+
+def remove_empty(folders: list[Path]) -> None:
+    """Remove the folders that are empty, deepest first (those listed before their parents)."""
+    for folder in folders:
+        with contextlib.suppress(OSError):  # not empty (a partial download is kept for the user), or already gone
+            folder.rmdir()
 
 
 def pick(folder: Path, name: str, verify: bool) -> Path:

@@ -171,6 +171,14 @@ def test_bad_value_is_one_line_error_with_exit_2(workdir):
     assert "Traceback" not in result.stderr
     assert not (workdir / "lightning_logs").exists()
 
+    # the trainer's settings are checked before Lightning seeds: the error is all the run prints
+    devices = [sys.executable, str(ROOT / "cli.py"), "fit", "--trainer.devices=0", "--data.source=synthetic"]
+    result = warm.run(devices, capture_output=True, text=True, timeout=120, cwd=workdir)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == [
+        "error: --trainer.devices=0: use a positive count, -1 or auto (all GPUs), or a list like [0,1]"
+    ]
+
 
 @pytest.mark.slow
 def test_cli_script_trains_as_a_user_runs_it(workdir, data_dir):

@@ -169,6 +169,22 @@ def test_fashion_mnist_without_files_or_network_names_the_flag(tmp_path, monkeyp
     assert not (tmp_path / "FashionMNIST-synthetic").exists()
 
 
+def test_a_failed_download_leaves_no_folders_behind(tmp_path, monkeypatch):
+    """torchvision's real download, offline (the only mock: no address resolves): the folders it made for the
+    files, up to the data_dir that did not exist, are gone again."""
+    import socket
+
+    def offline(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", offline)
+    (tmp_path / "kept").mkdir()
+    dm = FashionMNISTDataModule(data_dir=str(tmp_path / "kept" / "new" / "data"), source="fashion_mnist")
+    with pytest.raises(DataFileError, match=r"the download failed \(Error downloading train-images-idx3-ubyte.gz"):
+        dm.prepare_data()
+    assert [p.name for p in tmp_path.rglob("*")] == ["kept"]
+
+
 def test_auto_falls_back_to_synthetic_loudly(tmp_path, monkeypatch):
     dm = FashionMNISTDataModule(data_dir=str(tmp_path), source="auto", val_size=100)
     monkeypatch.setattr(dm, "_download", lambda: (_ for _ in ()).throw(RuntimeError("no network")))
