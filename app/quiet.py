@@ -18,8 +18,15 @@ class _DropMessage(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(self.startswith)
 
+    def __eq__(self, other: object) -> bool:  # install() twice adds each filter once (Logger.addFilter checks `in`)
+        return isinstance(other, _DropMessage) and other.startswith == self.startswith
+
+    def __hash__(self) -> int:
+        return hash(self.startswith)
+
 
 def install() -> None:
+    """Install the filters (again: each is added once)."""
     # Lightning 2.6's own pytree helper calls a torch API that torch deprecated; nothing a user can change.
     warnings.filterwarnings(
         "ignore", message=r".*isinstance\(treespec, LeafSpec\)", module=r"lightning\.pytorch\.utilities\._pytree"

@@ -36,6 +36,14 @@ def workdir(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
+def pytest_runtest_setup(item):
+    """The filters ``import app`` installs (app/quiet.py), again for each test (its fixtures included): pytest resets
+    the warning filters around every test, so without this in-process runs would show warnings users never see."""
+    import app.quiet
+
+    app.quiet.install()
+
+
 @pytest.fixture(autouse=True)
 def _restore_torch_state():
     threads = torch.get_num_threads()

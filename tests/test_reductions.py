@@ -227,7 +227,9 @@ def test_ddp_comm_hook_is_refused_with_other_strategies():
 
     from app.callbacks import DDPCommHook
 
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="dp", callbacks=[DDPCommHook()], logger=False)
+    trainer = Trainer(
+        accelerator="cpu", devices=2, strategy="dp", callbacks=[DDPCommHook()], logger=False, max_epochs=1
+    )
     with pytest.raises(UserError, match="DDPCommHook works with --trainer.strategy=ddp or ddp_spawn, not DataParallel"):
         trainer.fit(BoringModel())
 
