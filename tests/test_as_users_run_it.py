@@ -419,7 +419,7 @@ def screen(cmd: list[str], cwd: Path, columns: int, rows: int = 40, timeout: flo
     return code, lines + [line.rstrip() for line in terminal.display]
 
 
-@pytest.mark.parametrize("columns", [80, 100])
+@pytest.mark.parametrize("columns", [80, 100, 160])
 def test_the_terminal_keeps_every_epoch_line_and_the_whole_run_report(columns, tmp_path, data_dir):
     cmd = cli_command(
         data_dir, "--trainer.max_epochs=3", "--trainer.enable_progress_bar=true", "--drop_callbacks=[RichModelSummary]"
@@ -433,6 +433,9 @@ def test_the_terminal_keeps_every_epoch_line_and_the_whole_run_report(columns, t
     table = lines[title + 1 : title + 6]
     assert table[0].startswith("┏") and "rank" in table[1] and table[4].startswith("└"), text
     assert "cpu" in table[3] and "12" in table[3]  # its one row: 3 epochs x 4 steps
+    # Lightning's own lines (its logger writes to stderr) are not drawn over by the bar, nor the bar left twice
+    assert lines.count("`Trainer.fit` stopped: `max_epochs=3` reached.") == 1, text
+    assert sum(line.startswith("Epoch 2/2") for line in lines) == 1, text
 
 
 def test_redirected_output_is_plain_text(tmp_path, data_dir):

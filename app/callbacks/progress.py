@@ -15,6 +15,8 @@ them from the trainer's ``callback_metrics`` when it draws, so they can be logge
 
 from __future__ import annotations
 
+import logging
+import sys
 import time
 from typing import Any
 
@@ -43,6 +45,29 @@ def console_print(trainer: Trainer, message: Any) -> None:
         Console().print(message)
 
 
+class _CurrentStderr:
+    """A stream that writes to ``sys.stderr`` as it is at each write, not as it was when a handler was made."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+def log_above_the_bar() -> None:
+    """Make Lightning's own lines ("`Trainer.fit` stopped: ...") print above a live bar, not over it.
+
+    Lightning's loggers print through a ``StreamHandler`` that holds the ``sys.stderr`` of import time. While the bar
+    is live in a terminal, rich replaces ``sys.stderr`` with a proxy that prints above the bar; a write to the old
+    stream lands at the cursor instead, on the bar's line, and the next redraw leaves a copy of the bar behind.
+    """
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        for handler in logging.getLogger(name).handlers:
+            if type(handler) is logging.StreamHandler and handler.stream in (sys.__stderr__, sys.stderr):
+                handler.setStream(_CurrentStderr())
+
+
 class ProgressBar(RichProgressBar):
     """``RichProgressBar`` redrawn at most every ``refresh_seconds`` (and at the last batch of each loop).
 
@@ -60,6 +85,11 @@ class ProgressBar(RichProgressBar):
         self.refresh_seconds = refresh_seconds
         self.show = ["train/loss"] if show is None else list(show)
         self._drawn_at = float("-inf")
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if self.is_enabled:
+            log_above_the_bar()
 
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
