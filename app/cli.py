@@ -6,6 +6,7 @@ import difflib
 import errno
 import importlib
 import inspect
+import logging
 import re
 import sys
 import warnings
@@ -193,9 +194,36 @@ class Parser(LightningArgumentParser):
         return added
 
 
+class HeldRecords(logging.Filter):
+    """Holds a logger's records back until :meth:`release`; :meth:`drop` discards them.
+
+    Lightning seeds (and logs "Seed set to 42") before it builds the model and the data module, which check their
+    arguments: an error there would follow the seed line. The line waits until the classes are built."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.logger, self.records = logging.getLogger(name), []
+        self.logger.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+    def drop(self) -> None:
+        self.logger.removeFilter(self)
+        self.records.clear()
+
+    def release(self) -> None:
+        self.logger.removeFilter(self)
+        for record in self.records:
+            self.logger.handle(record)
+        self.records.clear()
+
+
 class CLI(LightningCLI):
     def __init__(self, *args, **kwargs) -> None:
         self._claimed: list[Path] = []
+        self._seed_line: HeldRecords | None = None
         self._args = kwargs.get("args")
         self._optimizer_overrides: dict = {}
         self._loaded: dict[str, dict] = {}  # checkpoints read by the CLI's checks, each read once
@@ -208,6 +236,8 @@ class CLI(LightningCLI):
             super().__init__(*args, **kwargs)
         except BaseException as err:
             release_if_unused(self._claimed)  # a run that failed before doing anything leaves no folder
+            if self._seed_line is not None:
+                self._seed_line.drop()
             latest = UserError.latest
             # a class (strategy, callback, model) refused a value while jsonargparse built it: jsonargparse
             # reports the message inside a union error of its own; say only ours
@@ -245,6 +275,11 @@ class CLI(LightningCLI):
         check_strategy_name(trainer.strategy)
         check_devices(trainer.devices)
         check_trainer_numbers(trainer)
+        self._seed_line = HeldRecords("lightning.fabric.utilities.seed")  # printed once the classes are built
+
+    def after_instantiate_classes(self) -> None:
+        if self._seed_line is not None:
+            self._seed_line.release()
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults(

@@ -99,6 +99,7 @@ class ImageClassifier(LightningModule):
         for name in ("optimizer", "lr_scheduler"):
             if callable(self.hparams.get(name)):
                 del self.hparams[name]
+        check_optimizer(optimizer, lr_scheduler)
         self.optimizer_factory, self.scheduler_factory = optimizer, lr_scheduler
         self.net = build_resnet(arch, num_classes=num_classes, norm=norm)
         self.criterion = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
@@ -249,6 +250,22 @@ class ImageClassifier(LightningModule):
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             config["monitor"] = "val/acc"
         return {"optimizer": optimizer, "lr_scheduler": config}
+
+
+def check_optimizer(optimizer: OptimizerCallable | None, lr_scheduler: LRSchedulerCallable | None) -> None:
+    """torch checks an optimizer's and a scheduler's arguments when it builds them, which is inside ``fit``, after the
+    processes have started and the run folder is made. Build both once now, on a stand-in parameter, so that a bad
+    value (``--model.optimizer.lr=-1``) is one error before anything runs."""
+    probe = [nn.Parameter(torch.zeros(1))]
+    try:
+        built = torch.optim.SGD(probe, **DEFAULT_SGD) if optimizer is None else optimizer(probe)
+    except (ValueError, TypeError) as err:
+        raise UserError(f"--model.optimizer: {err}") from None
+    if lr_scheduler is not None:
+        try:
+            lr_scheduler(built)
+        except (ValueError, TypeError) as err:
+            raise UserError(f"--model.lr_scheduler: {err}") from None
 
 
 def network_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:

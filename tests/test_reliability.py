@@ -445,6 +445,12 @@ BAD_INPUT = {
     "contradicting default": (["--ckpt_path=good.ckpt", "--model.arch=resnet18"], "--model.arch=resnet18 was given"),
     "contradicting last": (["--ckpt_path=last", "--model.norm=group"], "--model.norm=group was given"),
     "other optimizer": (["--ckpt_path=last", "--model.optimizer=AdamW"], "--model.optimizer=torch.optim.AdamW was"),
+    "negative lr": (["--model.optimizer.lr=-0.1"], "--model.optimizer: Invalid learning rate: -0.1"),
+    "negative lr on resume": (["--ckpt_path=last", "--model.optimizer.lr=-1"], "--model.optimizer: Invalid learning"),
+    "bad scheduler value": (
+        ["--model.lr_scheduler=OneCycleLR", "--model.lr_scheduler.max_lr=0.1", "--model.lr_scheduler.total_steps=0"],
+        "--model.lr_scheduler: Expected positive integer total_steps",
+    ),
     "http checkpoint": (["--ckpt_path=https://example.com/x.ckpt"], "remote checkpoints are not loaded"),
     "empty checkpoint": (["--ckpt_path=empty.ckpt"], "empty.ckpt: an empty file (0 bytes)"),
     "weights-only checkpoint": (["--ckpt_path=weights.ckpt"], "weights.ckpt: holds the network's weights but no optim"),
