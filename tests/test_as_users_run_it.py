@@ -327,17 +327,22 @@ def wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL])
-def test_stopping_a_self_launched_horovod_run_leaves_no_rank_behind(signum, tmp_path, data_dir):
-    """SIGTERM: the ranks checkpoint and the run exits 143. SIGKILL of the launcher: mpirun and the ranks go too.
-    Either way no rank keeps running and the launch folder is removed; the redirected log has no escape codes."""
+@pytest.mark.parametrize("how", ["SIGTERM", "Ctrl-C", "SIGKILL"])
+def test_stopping_a_self_launched_horovod_run_leaves_no_rank_behind(how, tmp_path, data_dir):
+    """SIGTERM to the launcher, or SIGINT to its whole process group as Ctrl-C in a terminal sends it: the ranks
+    checkpoint, rank 0 says so, and the run exits 128 + signal, without an mpirun abort or error box. SIGKILL of the
+    launcher: mpirun and the ranks go too. Either way no rank keeps running and the launch folder is removed; the
+    redirected log has no escape codes."""
+    signum = signal.SIGINT if how == "Ctrl-C" else signal.Signals[how]
     root, log = tmp_path / "root", tmp_path / "run.log"
     cmd = cli_command(
         data_dir, f"--trainer.default_root_dir={root}", "--trainer.strategy=horovod", "--trainer.devices=2",
         "--trainer.max_epochs=1000", "--trainer.enable_progress_bar=true",
     )  # fmt: skip
     with open(log, "w") as out:
-        process = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, **MPI_ENV}, stdout=out, stderr=out)
+        process = subprocess.Popen(
+            cmd, cwd=tmp_path, env={**os.environ, **MPI_ENV}, stdout=out, stderr=out, start_new_session=True
+        )
     try:
         last = root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
         wait_for(lambda: last.exists() or process.poll() is not None, 240, "the first epoch's checkpoint")
@@ -347,7 +352,10 @@ def test_stopping_a_self_launched_horovod_run_leaves_no_rank_behind(signum, tmp_
         (launch,) = launches
         assert len(rank_processes(str(launch))) >= 2
         stamp = last.stat().st_mtime_ns
-        process.send_signal(signum)
+        if how == "Ctrl-C":
+            os.killpg(process.pid, signum)  # the terminal signals its foreground process group
+        else:
+            process.send_signal(signum)
         code = process.wait(timeout=60)
         wait_for(lambda: not rank_processes(str(launch)), 30, "the ranks to exit")
         if signum == signal.SIGKILL:  # rank 0 removes it if mpirun lets it finish; else the next launch does
@@ -359,10 +367,12 @@ def test_stopping_a_self_launched_horovod_run_leaves_no_rank_behind(signum, tmp_
             process.kill()
     text = log.read_text()
     assert "\x1b" not in text
-    if signum == signal.SIGTERM:
-        assert code == 143, text[-3000:]
-        assert re.search(r"SIGTERM: stopped (in the validation )?after step", text), text[-3000:]  # (as it landed)
+    if signum != signal.SIGKILL:
+        assert code == 128 + signum, text[-3000:]
+        name = signal.Signals(signum).name
+        assert re.search(rf"{name}: stopped (in the validation )?after step", text), text[-3000:]  # (as it landed)
         assert last.stat().st_mtime_ns > stamp  # the stop's own checkpoint
+        assert "Abort is in progress" not in text and "non-zero status" not in text, text[-3000:]
     else:
         assert code == -signal.SIGKILL
 

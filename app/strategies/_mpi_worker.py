@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 import app  # noqa: F401  (registers the strategies before anything is unpickled)
+from app.callbacks.preemption import Preempted
 from app.errors import UserError
-from app.strategies.launch import USER_ERROR, launcher_ranks, process_alive
+from app.strategies.launch import PREEMPTED, USER_ERROR, launcher_ranks, process_alive
 
 
 def main(job_path: str, result_path: str) -> None:
@@ -27,6 +28,10 @@ def main(job_path: str, result_path: str) -> None:
         tmp = workdir / f"user-error.{rank}"
         tmp.write_text(str(err))
         os.replace(tmp, workdir / USER_ERROR)
+    except Preempted as stop:  # checkpointed and said so; the launcher exits with 128 + signal, mpirun with 0
+        tmp = workdir / f"{PREEMPTED}.{rank}"
+        tmp.write_text(str(stop.signum))
+        os.replace(tmp, workdir / PREEMPTED)
     finally:
         if rank == 0 and not process_alive(int(os.environ.get("APP_LAUNCHER_PID", "0"))):
             shutil.rmtree(workdir, ignore_errors=True)  # the launcher is gone: nobody else will clean up

@@ -185,8 +185,10 @@ class MPIRunLauncher(ResultsLauncher):
     ``Trainer(strategy="horovod", devices=2).fit(model)``, ``model`` holds the trained weights.
 
     SIGTERM and SIGINT sent to this process are passed to every rank, which stop after the same step and write
-    ``last.ckpt`` (the Preemption callback); this process then exits with ``128 + signal`` like the ranks. If this
-    process dies, mpirun gets SIGTERM from the kernel and ends the ranks; the temporary folder is removed either way.
+    ``last.ckpt`` (the Preemption callback); this process then exits with ``128 + signal``. mpirun runs in a
+    session of its own, so Ctrl-C in a terminal reaches this process only: mpirun would otherwise abort the job
+    ("hit ctrl-c again to forcibly terminate") and drop the ranks' last lines. If this process dies, mpirun gets
+    SIGTERM from the kernel and ends the ranks; the temporary folder is removed either way.
     """
 
     def __init__(self, strategy) -> None:
@@ -222,7 +224,7 @@ class MPIRunLauncher(ResultsLauncher):
 
     def _run_ranks(self, workdir: Path, restart: int, trainer, function: Callable, args, kwargs) -> int:
         """One ``mpirun`` of the job; returns its exit code (raises for a signal or a rank's bad-input message)."""
-        for stale in [*workdir.glob("rank-*.pid"), *workdir.glob(f"{SAVED_STATE}-*")]:
+        for stale in [*workdir.glob("rank-*.pid"), *workdir.glob(f"{SAVED_STATE}-*"), *workdir.glob(PREEMPTED)]:
             stale.unlink()
         job = workdir / "job.pkl"
         with open(job, "wb") as f:
@@ -241,10 +243,13 @@ class MPIRunLauncher(ResultsLauncher):
         if restarts_left:  # the other ranks live on when one dies, to save the state of the last step
             cmd.append("--enable-recovery")
         for name in ("TTY_COMPATIBLE", "TTY_INTERACTIVE", "APP_LAUNCHER_PID", MPI_RESTARTS_LEFT, MPI_RESTART):
-            cmd += ["-x", name]
+            if name in env:  # mpirun warns about a name it cannot find
+                cmd += ["-x", name]
         cmd += ["-x", MPI_LAUNCH_DIR, sys.executable, "-m", "app.strategies._mpi_worker", str(job)]
         cmd.append(str(workdir / "result.pkl"))
         returncode, signum = _run_forwarding_signals(cmd, env, workdir)
+        if not signum and (workdir / PREEMPTED).exists():  # the ranks were signalled directly
+            signum = int((workdir / PREEMPTED).read_text())
         if signum:
             from app.callbacks.preemption import Preempted
 
@@ -323,6 +328,7 @@ def _interrupted(trainer, exception: BaseException) -> None:
 
 LAUNCH_PREFIX = "horovod-launch-"
 USER_ERROR = "user-error"  # a rank's bad-input message (app.errors.UserError), for the launcher to print once
+PREEMPTED = "preempted"  # the signal the ranks stopped for; they exit 0 (no mpirun error box), the launcher 128 + it
 
 
 def remove_stale_launch_folders() -> None:
@@ -382,7 +388,9 @@ def _run_forwarding_signals(cmd: list[str], env: dict, workdir: Path) -> tuple[i
             with contextlib.suppress(OSError, ValueError):  # a rank that has just exited
                 os.kill(int(pid_file.read_text()), signum)
 
-    process = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+    process = subprocess.Popen(
+        cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
+    )
     handled = (signal.SIGTERM, signal.SIGINT)
     previous = {}
     if threading.current_thread() is threading.main_thread():
