@@ -394,16 +394,25 @@ def tempfile_dir() -> str:
 
 
 # ------------------------------------------------------------------------------------------------ the terminal
-def screen(cmd: list[str], cwd: Path, columns: int, rows: int = 40, timeout: float = 240) -> tuple[int, list[str]]:
+def _own_terminal() -> None:
+    """In the child: a session whose controlling terminal is the pty on stdin, as a shell gives a command."""
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def screen(
+    cmd: list[str], cwd: Path, columns: int, rows: int = 40, timeout: float = 240, ctrl_c_after: bytes | None = None
+) -> tuple[int, list[str]]:
     """Run ``cmd`` in a pseudo-terminal of ``columns`` x ``rows`` and return its exit code and what a person sees
-    at the end (scrollback and screen), as a VT100 terminal draws it."""
+    at the end (scrollback and screen), as a VT100 terminal draws it. With ``ctrl_c_after``, Ctrl-C is typed once
+    that text has been printed (the terminal then sends SIGINT to the command's process group)."""
     import pyte
 
     primary, secondary = pty.openpty()
     fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     env = {**os.environ, **MPI_ENV, "COLUMNS": str(columns), "LINES": str(rows), "TERM": "xterm-256color"}
     process = subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdin=secondary, stdout=secondary, stderr=secondary, start_new_session=True
+        cmd, cwd=cwd, env=env, stdin=secondary, stdout=secondary, stderr=secondary, preexec_fn=_own_terminal
     )
     os.close(secondary)
     output = bytearray()
@@ -419,6 +428,9 @@ def screen(cmd: list[str], cwd: Path, columns: int, rows: int = 40, timeout: flo
             if not chunk:
                 break
             output += chunk
+            if ctrl_c_after is not None and ctrl_c_after in output:
+                os.write(primary, b"\x03")
+                ctrl_c_after = None
         elif process.poll() is not None:
             break
     code = process.wait(timeout=30)
@@ -445,7 +457,23 @@ def test_the_terminal_keeps_every_epoch_line_and_the_whole_run_report(columns, t
     assert "cpu" in table[3] and "12" in table[3]  # its one row: 3 epochs x 4 steps
     # Lightning's own lines (its logger writes to stderr) are not drawn over by the bar, nor the bar left twice
     assert lines.count("`Trainer.fit` stopped: `max_epochs=3` reached.") == 1, text
-    assert sum(line.startswith("Epoch 2/2") for line in lines) == 1, text
+    (bar,) = [i for i, line in enumerate(lines) if line.startswith("Epoch 2/2")]
+    assert bar < title, text  # the finished bar stays above the report, not redrawn below it
+    assert "0.00it/s" not in lines[bar], text  # rich had two updates of the bar to measure its speed
+
+
+def test_ctrl_c_in_a_terminal_says_what_it_does_above_the_bar(tmp_path, data_dir):
+    """The "received SIGINT" line waits for the end of the step while the bar is live (a line written at once
+    would be drawn over), then the stop line; one bar stays on the screen."""
+    cmd = cli_command(data_dir, "--trainer.max_epochs=1000", "--trainer.enable_progress_bar=true")
+    code, lines = screen(cmd, tmp_path, 160, ctrl_c_after=b"epoch 1 | train loss")
+    text = "\n".join(lines)
+    assert code == 130, text[-3000:]
+    received = "[rank 0] received SIGINT: stopping after this step with a checkpoint (Ctrl-C again: stop now)"
+    assert lines.count(received) == 1, text
+    stopped = [i for i, line in enumerate(lines) if re.match(r"SIGINT: stopped (in the validation )?after step", line)]
+    assert len(stopped) == 1 and lines.index(received) < stopped[0], text
+    assert sum(line.startswith("Epoch ") for line in lines) == 1, text
 
 
 def test_redirected_output_is_plain_text(tmp_path, data_dir):

@@ -5,7 +5,8 @@ Clusters stop jobs with SIGTERM (``docker stop``, Kubernetes, SLURM) and people 
 handler broadcasts from inside the signal handler, which deadlocks when a rank other than 0 gets the signal.
 This callback replaces it for training:
 
-- The handler only records the signal (and prints one line); nothing runs inside it.
+- The handler only records the signal (and prints one line; while a progress bar is live in the terminal, the line
+  waits for the end of the step and prints above the bar, which would draw over it); nothing runs inside it.
 - After each training step and each validation batch the ranks agree whether any of them got a signal: a
   one-number all-reduce on a gloo group of its own, issued without waiting and read one batch later, so it never
   stalls the GPU. All ranks therefore stop after the same batch, at most two batches after the signal, in
@@ -26,10 +27,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from app.callbacks.progress import console_print
+from app.callbacks.progress import console_print, live_bar_console
 from app.elastic import torchrun_restarts_possible
 from app.lightning_internals import log_step_now, take_over_local_ranks
 
@@ -75,13 +76,15 @@ class Preemption(Callback):
         self._previous: dict[int, object] = {}
         self._rank = 0
         self._stopping_in_validation = False
+        self._trainer: Trainer | None = None
+        self._announce = ""  # the "received" line, waiting for the next step's end while a bar is live
         self._local_ranks: list[subprocess.Popen] = []
 
     # ---------------------------------------------------------------- setup
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
-        self._rank = trainer.global_rank
+        self._rank, self._trainer = trainer.global_rank, trainer
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # all ranks call setup together; CPU, so no GPU sync
         if trainer.checkpoint_callback is None:
@@ -104,12 +107,19 @@ class Preemption(Callback):
             name = signal.Signals(signum).name
             os.write(2, f"[rank {self._rank}] second {name}: stopping now, without a checkpoint\n".encode())
             raise Preempted(signum, checkpointed=False)
-        if not self.received:
-            self.received = signum
-            name = signal.Signals(signum).name
-            message = f"[rank {self._rank}] received {name}: stopping after this step with a checkpoint"
-            message += " (Ctrl-C again: stop now)\n" if signum == signal.SIGINT else "\n"
-            os.write(2, message.encode())  # not print(): the signal may have interrupted a print
+        self.received = signum
+        name = signal.Signals(signum).name
+        message = f"[rank {self._rank}] received {name}: stopping after this step with a checkpoint"
+        message += " (Ctrl-C again: stop now)" if signum == signal.SIGINT else ""
+        if self._trainer is not None and live_bar_console(self._trainer) is not None:
+            self._announce = message  # printed above the bar after this step: a line written now would be drawn over
+        else:
+            os.write(2, f"{message}\n".encode())  # not print(): the signal may have interrupted a print
+
+    def _say_received(self, trainer) -> None:
+        if self._announce:
+            console_print(trainer, self._announce)
+            self._announce = ""
 
     # ---------------------------------------------------------------- the decision, once per step
     def _agreed_signal(self, trainer) -> int:
@@ -133,6 +143,7 @@ class Preemption(Callback):
         return int(flag.item())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._say_received(trainer)
         signum = self._agreed_signal(trainer)
         if not signum:
             return
@@ -155,6 +166,7 @@ class Preemption(Callback):
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
         if trainer.state.fn != "fit":
             return
+        self._say_received(trainer)
         signum = self._agreed_signal(trainer)
         if not signum:
             return

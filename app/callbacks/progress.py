@@ -9,8 +9,9 @@ Two things in Lightning 2.6 make a GPU wait for the host at every training step 
 
 Reading a tensor's value on the host waits for the device to compute it, so the next step cannot be queued while
 the GPU works, and the redraw's host time is time the GPU idles. :class:`ProgressBar` draws at most every
-``refresh_seconds`` (and at each loop's last batch), and shows per-step values such as ``train/loss`` by reading
-them from the trainer's ``callback_metrics`` when it draws, so they can be logged without ``prog_bar=True``.
+``refresh_seconds`` (and at each loop's first and last batch), and shows per-step values such as ``train/loss``
+by reading them from the trainer's ``callback_metrics`` when it draws, so they can be logged without
+``prog_bar=True``.
 """
 
 from __future__ import annotations
@@ -25,18 +26,23 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 
 
-def console_print(trainer: Trainer, message: Any) -> None:
-    """Print a line or a rich renderable on global rank 0 so that it stays on the screen.
+def live_bar_console(trainer: Trainer) -> Any:
+    """The console of a rich progress bar live in this process, or None.
 
-    While a rich progress bar is live it redraws by moving the cursor up, and erases or overdraws whatever was
-    written to the terminal outside its console: the lines go through that console, which prints them above the bar.
-    """
-    if not trainer.is_global_zero:
-        return
+    While the bar is live it redraws by moving the cursor up, and erases or overdraws whatever was written to the
+    terminal outside its console; that console prints lines above the bar."""
     bar = trainer.progress_bar_callback
     progress = getattr(bar, "progress", None) if isinstance(bar, RichProgressBar) else None
-    if progress is not None and progress.live.is_started:
-        progress.console.print(message, markup=False, highlight=False, soft_wrap=isinstance(message, str))
+    return progress.console if progress is not None and progress.live.is_started else None
+
+
+def console_print(trainer: Trainer, message: Any) -> None:
+    """Print a line or a rich renderable on global rank 0 so that it stays on the screen (above a live bar)."""
+    if not trainer.is_global_zero:
+        return
+    console = live_bar_console(trainer)
+    if console is not None:
+        console.print(message, markup=False, highlight=False, soft_wrap=isinstance(message, str))
     elif isinstance(message, str):
         rank_zero_info(message)
     else:
@@ -69,7 +75,7 @@ def log_above_the_bar() -> None:
 
 
 class ProgressBar(RichProgressBar):
-    """``RichProgressBar`` redrawn at most every ``refresh_seconds`` (and at the last batch of each loop).
+    """``RichProgressBar`` redrawn at most every ``refresh_seconds`` (and at the first and last batch of each loop).
 
     Args:
         refresh_seconds: Least time between two redraws. 0 redraws after every batch, as Lightning does.
@@ -91,6 +97,12 @@ class ProgressBar(RichProgressBar):
         if self.is_enabled:
             log_above_the_bar()
 
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The bar is finished: leave it where it is, so what is printed at the end of the run (the run report)
+        comes below it, not above a bar redrawn under everything."""
+        if self.progress is not None:
+            self.progress.stop()  # Lightning's teardown stops it again (a no-op) and prepares the next stage's
+
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)  # the version folder: printed once at the start, not worth a place on the bar
@@ -106,7 +118,8 @@ class ProgressBar(RichProgressBar):
 
     def _due(self, batch_idx: int, total: float) -> bool:
         now = time.monotonic()
-        if batch_idx + 1 >= total or now - self._drawn_at >= self.refresh_seconds:
+        # the first batch too: rich's it/s needs two updates of the loop's bar
+        if batch_idx == 0 or batch_idx + 1 >= total or now - self._drawn_at >= self.refresh_seconds:
             self._drawn_at = now
             return True
         return False
