@@ -123,6 +123,8 @@ class FashionMNISTDataModule(LightningDataModule):
         Checking here, before Lightning makes the run's log folder, means a bad file stops the run with nothing
         written. The tensors are kept for :meth:`setup` in this process.
         """
+        if self.hparams.predict_dir and self.trainer is not None and self.trainer.state.fn == "predict":
+            return  # predicting the user's own images: no Fashion-MNIST needed (the folder is read in setup)
         self.files.fetch(download=self._download)
         self._loaded = {split: self.load_split(split) for split in SPLITS}
         self._check_train_size(len(self._loaded["train"][1]))

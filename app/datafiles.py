@@ -29,6 +29,7 @@ from torchvision.datasets import FashionMNIST
 from torchvision.datasets.utils import check_integrity
 
 from app import synthetic
+from app.errors import TemplateWarning
 from app.idx import DataFileError, atomic_write_bytes, read_idx, write_idx
 
 Source = Literal["auto", "fashion_mnist", "synthetic"]
@@ -105,9 +106,10 @@ class FashionMNISTFiles:
                     "--data.source=synthetic to run on the offline stand-in"
                 ) from None
             rank_zero_warn(
-                "\n" + "!" * 100 + f"\n  Fashion-MNIST is not in {self.real_dir} and could not be downloaded "
-                f"({type(err).__name__}).\n  Using the SYNTHETIC stand-in instead (--data.source=auto). "
-                "Its accuracy says nothing about Fashion-MNIST.\n" + "!" * 100
+                f"Fashion-MNIST is not in {self.real_dir} and could not be downloaded ({type(err).__name__}).\n"
+                "         Using the SYNTHETIC stand-in instead (--data.source=auto): its accuracy says nothing about "
+                "Fashion-MNIST.",
+                category=TemplateWarning,
             )
             self.write_synthetic()
 

@@ -1,4 +1,5 @@
 import gzip
+import warnings
 
 import pytest
 import torch
@@ -188,8 +189,12 @@ def test_a_failed_download_leaves_no_folders_behind(tmp_path, monkeypatch):
 def test_auto_falls_back_to_synthetic_loudly(tmp_path, monkeypatch):
     dm = FashionMNISTDataModule(data_dir=str(tmp_path), source="auto", val_size=100)
     monkeypatch.setattr(dm, "_download", lambda: (_ for _ in ()).throw(RuntimeError("no network")))
-    with pytest.warns(UserWarning, match="SYNTHETIC stand-in"):
+    with pytest.warns(UserWarning, match="SYNTHETIC stand-in") as caught:
         dm.prepare_data()
+    # shown as a "warning:" line (like the "error:" lines), without Python's file:line prefix and source line
+    (w,) = [w for w in caught if "stand-in" in str(w.message)]
+    shown = warnings.formatwarning(w.message, w.category, w.filename, w.lineno, w.line)
+    assert shown.startswith("warning: Fashion-MNIST is not in ") and "rank_zero_warn" not in shown, shown
     dm.setup("fit")
     assert dm.hparams.resolved_source == "synthetic"
     assert len(dm.train_set) == 60_000 - 100 and len(dm.val_set) == 100

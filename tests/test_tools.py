@@ -169,7 +169,8 @@ def read_predictions(version_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_predict_on_a_folder_of_png_images(run_dir, data_dir, workdir):
+def test_predict_on_a_folder_of_png_images(run_dir, data_dir, workdir, recwarn):
+    """The user's own images: no Fashion-MNIST is read, fetched or generated for them."""
     images = read_idx(data_dir / "FashionMNIST-synthetic" / "raw" / "t10k-images-idx3-ubyte")[:12]
     images = torch.as_tensor(images)
     folder = workdir / "photos"
@@ -181,17 +182,11 @@ def test_predict_on_a_folder_of_png_images(run_dir, data_dir, workdir):
     (folder / "notes.txt").write_text("not an image, ignored")
 
     ckpt = run_dir / "checkpoints" / "last.ckpt"
-    run_cli(
-        "predict",
-        "--config",
-        str(CPU_TEST_CONFIG),
-        "--data.data_dir",
-        str(data_dir),
-        "--ckpt_path",
-        str(ckpt),
-        "--data.predict_dir",
-        str(folder),
-    )
+    no_data = workdir / "no-data"
+    args = ["predict", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(no_data), "--ckpt_path", str(ckpt)]
+    run_cli(*args, "--data.source=auto", "--data.predict_dir", str(folder))
+    assert not no_data.exists()
+    assert not [w for w in recwarn if "stand-in" in str(w.message)]
     rows = read_predictions(workdir / "lightning_logs" / "version_0")
     assert [r["name"] for r in rows] == sorted(p.name for p in folder.glob("*.png"))
 

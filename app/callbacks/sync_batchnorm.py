@@ -29,6 +29,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from app.errors import TemplateWarning
 from app.lightning_internals import drop_layer_sync
 from app.strategies.dp import DataParallelStrategy
 
@@ -43,7 +44,8 @@ class SyncBatchNorm(Callback):
         if isinstance(strategy, DataParallelStrategy):
             rank_zero_warn(
                 "SyncBatchNorm: strategy=dp runs its replicas in one process and cannot synchronize BatchNorm across "
-                "them; each device normalises its own chunk. Use --trainer.strategy=ddp for synchronized BN."
+                "them; each device normalises its own chunk. Use --trainer.strategy=ddp for synchronized BN.",
+                category=TemplateWarning,
             )
             return
         if trainer.world_size == 1:
