@@ -7,6 +7,7 @@ import errno
 import importlib
 import inspect
 import logging
+import os
 import re
 import sys
 import warnings
@@ -318,6 +319,10 @@ class CLI(LightningCLI):
             init_args = getattr(logger, "init_args", None)
             if root and getattr(logger, "class_path", None) in defaults and init_args.get("save_dir") == ".":
                 init_args.save_dir = str(root)
+        data = config.get("data")
+        if data is not None and isinstance(data.get("data_dir"), str):
+            # config.yaml then names the files this run read, whichever folder it is run again from
+            data.data_dir = os.path.abspath(os.path.expanduser(data.data_dir))
         if is_first_process():
             check_writable(root or Path.cwd())
         if is_first_process() and self.subcommand == "fit" and config.trainer.logger in (False, []):

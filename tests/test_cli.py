@@ -36,9 +36,12 @@ def fit_in_subprocess(workdir, data_dir, *extra: str) -> subprocess.CompletedPro
 @pytest.mark.slow
 def test_fit_validate_test_predict_through_cli(workdir, data_dir):
     base = ["--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir)]
-    run_cli("fit", *base, "--trainer.max_epochs=3", "--trainer.limit_train_batches=12")
+    relative = ["--data.data_dir", os.path.relpath(data_dir, workdir)]
+    run_cli("fit", *base, *relative, "--trainer.max_epochs=3", "--trainer.limit_train_batches=12")
 
     version = workdir / "lightning_logs" / "version_0"
+    # a relative --data.data_dir is saved as the folder it named, so the config runs again from anywhere
+    assert yaml.safe_load((version / "config.yaml").read_text())["data"]["data_dir"] == str(data_dir.absolute())
     checkpoints = sorted(p.name for p in (version / "checkpoints").iterdir())
     assert "last.ckpt" in checkpoints and any(p.startswith("epoch=") for p in checkpoints)
     for name in ("config.yaml", "hparams.yaml", "metrics.csv"):
