@@ -360,3 +360,33 @@ def test_run_report_rows_per_device_for_dp_and_ddp(workdir, data_dir):
         rows = [line for line in table.splitlines() if line.startswith("│")]
         assert len(rows) == 2 and all(" 8 " in row for row in rows), table  # 8 steps on each device
         assert "epoch 0 | train loss" in result.stderr + out
+
+
+# ------------------------------------------------------------------------------------------------ ModelCheckpoint
+@pytest.mark.parametrize("stops_before_validation", [True, False])
+def test_checkpoint_warns_of_a_missing_monitor_only_once_validation_has_run(stops_before_validation, tmp_path):
+    """A run that ends inside its first epoch has no val/acc yet: last.ckpt, no warning. A validation that does
+    not log the monitored key still stops the run with Lightning's error (a misnamed monitor)."""
+    import warnings
+
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from app.callbacks import ModelCheckpoint
+
+    callback = ModelCheckpoint(dirpath=tmp_path, monitor="val/acc", mode="max", save_last=True)
+    trainer = Trainer(
+        accelerator="cpu", max_epochs=1, max_steps=2 if stops_before_validation else -1, limit_train_batches=4,
+        limit_val_batches=1, num_sanity_val_steps=0, callbacks=[callback], logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    if not stops_before_validation:
+        with pytest.raises(MisconfigurationException, match="could not find the monitored key"):
+            trainer.fit(BoringModel())  # logs no val/acc
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(BoringModel())
+    assert (tmp_path / "last.ckpt").is_file()
+    assert not [w for w in caught if "monitored key" in str(w.message)], [str(w.message) for w in caught]

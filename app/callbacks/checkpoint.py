@@ -3,6 +3,10 @@
 Lightning 2.6 refreshes ``last.ckpt`` only when it also writes a top-k checkpoint: with ``monitor="val/acc"``
 an epoch that does not improve the best accuracy leaves ``last.ckpt`` at an older epoch, and a restart would
 silently repeat epochs. This subclass writes ``last.ckpt`` at every point where Lightning would consider saving.
+
+A run that stops before its first validation (``--trainer.max_steps`` inside the first epoch, a signal) has no
+``val/acc`` to rank checkpoints by: it writes ``last.ckpt`` only, without Lightning's warning that the monitored
+key is missing. Once a validation has run, a monitor that it did not log stops the run with Lightning's error.
 """
 
 from __future__ import annotations
@@ -13,10 +17,20 @@ from app.lightning_internals import refresh_last_checkpoint
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._validated = False  # whether a validation (not the sanity check) has run in this fit
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self._validated = False
+
     def on_train_epoch_end(self, trainer, pl_module) -> None:
-        super().on_train_epoch_end(trainer, pl_module)
+        nothing_to_rank = self.monitor is not None and not self._validated
+        if not (nothing_to_rank and self.monitor not in trainer.callback_metrics):
+            super().on_train_epoch_end(trainer, pl_module)
         refresh_last_checkpoint(self, trainer, at_train_epoch_end=True)
 
     def on_validation_end(self, trainer, pl_module) -> None:
+        self._validated = self._validated or not trainer.sanity_checking
         super().on_validation_end(trainer, pl_module)
         refresh_last_checkpoint(self, trainer, at_train_epoch_end=False)
