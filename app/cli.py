@@ -155,6 +155,65 @@ def nested_option_error(line: str) -> str | None:
     return f"{flag}: {wrong_value.split(' Given value type:')[0].strip()}"
 
 
+PLAIN_TYPES = {"<class 'int'>": "a whole number", "<class 'float'>": "a number", "<class 'bool'>": "true or false"}
+
+
+def plain_types(types: list[str]) -> str:
+    """``["<class 'int'>", "<class 'float'>"]`` -> "a number" (a whole number is a number too)."""
+    if "<class 'float'>" in types:
+        types = [t for t in types if t != "<class 'int'>"]
+    return " or ".join(PLAIN_TYPES[t] for t in types)
+
+
+def union_error(line: str) -> str | None:
+    """jsonargparse's union error for a value that fits none of an option's types, as one sentence: the choices
+    when the types are literals (``--trainer.precision``), the closest class when a class path names none."""
+    key = re.search(r'Parser key "([\w.]+)":', line)
+    if key is None:
+        return None
+    flag = f"--{key.group(1)}"
+    missing = re.search(r"Problem with given class_path '([\w.]+)': module '([\w.]+)' has no attribute '(\w+)'", line)
+    if missing:
+        class_path, module, name = missing.groups()
+        try:
+            names = [n for n, v in vars(importlib.import_module(module)).items() if isinstance(v, type)]
+        except ImportError:
+            names = []
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+        hint = f" (did you mean {module}.{close[0]}?)" if close else ""
+        return f"{flag}: {module} has no class {name!r}{hint}"
+    one = re.search(r"Expected a typing\.Literal\[(.*?)\]\. Got value: (.*?)(?:; see:|$)", line)
+    if one:
+        choices = [c.strip().strip("'") for c in one.group(1).split(",")]
+        return f"{flag}={one.group(2)}: must be one of {', '.join(choices)}"
+    one = re.search(r"Expected a (<class '(?:int|float|bool)'>)\. Got value: (.*?)(?:; see:|$)", line)
+    if one:
+        return f"{flag}={one.group(2)}: expected {plain_types([one.group(1)])}"
+    subtypes = re.search(r"Subtypes: \[(.*?)\] Errors:", line)
+    given = re.search(r"Given value: (.*)$", line)
+    if not (subtypes and given):
+        return None
+    types = re.findall(
+        r"typing\.Literal\[[^\]]*\]|<class '[\w.]+'>|[\w.\[\], ]+?(?=, typing|, <class|$)", subtypes.group(1)
+    )
+    value = given.group(1).split(";")[0].strip()
+    if types and all(t in PLAIN_TYPES or t == "<class 'NoneType'>" for t in types):  # --trainer.max_epochs=abc
+        return f"{flag}={value}: expected {plain_types([t for t in types if t in PLAIN_TYPES])}"
+    if not types or not all(t.startswith("typing.Literal[") or t == "<class 'NoneType'>" for t in types):
+        return None
+    choices: list[str] = []
+    for literal in (t for t in types if t.startswith("typing.Literal[")):
+        for choice in re.findall(r"'([^']*)'|(-?\d+)", literal.removeprefix("typing.Literal[")):
+            text = choice[0] or choice[1]
+            if text not in choices:
+                choices.append(text)
+    return f"{flag}={value}: must be one of {', '.join(choices)}"
+
+
+# An optimizer's arguments, given as --model.lr: they are --model.optimizer.lr.
+OPTIMIZER_ARGS = {"lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "dampening", "amsgrad"}
+
+
 class Parser(LightningArgumentParser):
     """Parse errors as one line (no 70-line usage), with the closest flag when one was mistyped."""
 
@@ -170,7 +229,11 @@ class Parser(LightningArgumentParser):
         # a key of a YAML config: "... does not accept option 'trainer.max_epoch'"
         unknown += ["--" + key for key in re.findall(r"does not accept option '([\w.\-]+)'", line)]
         for flag in unknown:
-            close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.75)
+            # not a group the flag is inside of (--model for --model.lr); an optimizer's argument is under the optimizer
+            candidates = [f for f in flags if not flag.startswith(f + ".")]
+            close = difflib.get_close_matches(flag, candidates, n=1, cutoff=0.75)
+            if flag.startswith("--model.") and flag.count(".") == 1 and flag[8:] in OPTIMIZER_ARGS:
+                close = [f"--model.optimizer.{flag[8:]}"]
             if close:
                 line += f" (did you mean {close[0] if flag in line else close[0][2:]}?)"
                 break
@@ -179,7 +242,7 @@ class Parser(LightningArgumentParser):
             if holder is not None and str(holder) not in line:
                 line = f"{holder}: {line}"
                 break
-        line = nested_option_error(line) or line
+        line = nested_option_error(line) or union_error(line) or line
         prog = parser.prog.replace(" [options]", "")
         script, _, rest = prog.partition(" ")
         if Path(sys.argv[0]).name == script:  # the script as the user typed it: from another folder, its path
@@ -281,6 +344,11 @@ class CLI(LightningCLI):
     def after_instantiate_classes(self) -> None:
         if self._seed_line is not None:
             self._seed_line.release()
+        data = self._subconfig(self.config).get("data")
+        if data is not None and isinstance(data.get("data_dir"), str):
+            # config.yaml (written at setup) names the files this run read, whichever folder it runs again from;
+            # the data module and its messages keep the folder as given
+            data.data_dir = os.path.abspath(os.path.expanduser(data.data_dir))
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.set_defaults(
@@ -319,10 +387,6 @@ class CLI(LightningCLI):
             init_args = getattr(logger, "init_args", None)
             if root and getattr(logger, "class_path", None) in defaults and init_args.get("save_dir") == ".":
                 init_args.save_dir = str(root)
-        data = config.get("data")
-        if data is not None and isinstance(data.get("data_dir"), str):
-            # config.yaml then names the files this run read, whichever folder it is run again from
-            data.data_dir = os.path.abspath(os.path.expanduser(data.data_dir))
         if is_first_process():
             check_writable(root or Path.cwd())
         if is_first_process() and self.subcommand == "fit" and config.trainer.logger in (False, []):

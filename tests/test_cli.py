@@ -150,8 +150,34 @@ def test_every_preset_parses(config, workdir, capsys):
             ["--trainer.callbacks+=app.callbacks.DDPCommHook", "--trainer.callbacks.hook=int8"],
             "error: --trainer.callbacks.hook=int8: must be one of fp16, bf16, powersgd;",
         ),
+        (
+            ["--trainer.precision=bf16-mix"],
+            "error: --trainer.precision=bf16-mix: must be one of 64, 32, 16, transformer-engine, "
+            "transformer-engine-float16, 16-true, 16-mixed, bf16-true, bf16-mixed, 32-true, 64-true, bf16;",
+        ),
+        (["--model.arch=resnet19"], "error: --model.arch=resnet19: must be one of resnet18, resnet34, resnet50,"),
+        (["--trainer.max_epochs=ten"], "error: --trainer.max_epochs=ten: expected a whole number;"),
+        (["--trainer.gradient_clip_val=x"], "error: --trainer.gradient_clip_val=x: expected a number;"),
+        (["--model.channels_last=maybe"], "error: --model.channels_last=maybe: expected true or false;"),
+        (
+            ["--trainer.callbacks+=app.callbacks.SyncBN"],
+            "error: --trainer.callbacks: app.callbacks has no class 'SyncBN' "
+            "(did you mean app.callbacks.SyncBatchNorm?);",
+        ),
+        (["--model.lr=0.1"], "error: unrecognized arguments: --model.lr=0.1 (did you mean --model.optimizer.lr?);"),
     ],
-    ids=["choice", "typo", "callback choice"],
+    ids=[
+        "choice",
+        "typo",
+        "callback choice",
+        "choices of a union",
+        "choices",
+        "whole number",
+        "number",
+        "bool",
+        "class path",
+        "optimizer argument",
+    ],  # fmt: skip
 )
 def test_a_wrong_option_of_a_strategy_or_callback_is_one_plain_line(flags, want, workdir, capsys):
     with pytest.raises(SystemExit) as exit_info:
