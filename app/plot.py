@@ -139,7 +139,8 @@ def figure(run_dir: str | Path):
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        raise UserError('plot needs matplotlib: pip install -e ".[plot]"') from None
+        project = Path(__file__).resolve().parents[1]
+        raise UserError(f'plot needs matplotlib: {sys.executable} -m pip install -e "{project}[plot]"') from None
     series = epoch_metrics(run_dir)
     if not series:
         raise UserError(f"{metrics_csv}: no per-epoch metrics yet (has an epoch finished?)")

@@ -106,6 +106,13 @@ def exit_code_and_stderr(capsys, *args: str) -> tuple[int, str]:
     return exit_info.value.code, capsys.readouterr().err
 
 
+def test_plot_without_matplotlib_says_how_to_install_it_into_this_python(run_dir, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    code, err = exit_code_and_stderr(capsys, "plot", str(run_dir))
+    assert code == 2
+    assert err.strip() == f'error: plot needs matplotlib: {sys.executable} -m pip install -e "{ROOT}[plot]"', err
+
+
 def test_plot_of_a_folder_without_metrics_names_it(tmp_path, capsys):
     code, err = exit_code_and_stderr(capsys, "plot", str(tmp_path))
     assert code == 2
