@@ -38,7 +38,7 @@ from app.elastic import (
 from app.errors import UserError
 from app.model import ARCH_KEYS, DEFAULT_SGD, ImageClassifier, check_compatible, load_checkpoint
 from app.run_dir import check_writable, claim_versions, folder_logger_root, is_first_process, release_if_unused
-from app.strategies.launch import mpi_world_size
+from app.strategies.launch import launcher_ranks, mpi_world_size
 
 # Added to every fit/validate/test/predict, beside the run's own callbacks (a YAML ``trainer.callbacks:`` list or
 # ``--trainer.callbacks+=``), unless the run gives a callback of the same kind (its own ModelCheckpoint, progress
@@ -798,6 +798,14 @@ def _yaml_value(value: str | int | float | bool) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
+def says_errors() -> bool:
+    """Whether this process prints a bad-input error: the first process of each node. Under ``mpirun`` or
+    ``torchrun`` every rank checks the same command line and files and finds the same error; the others exit 2
+    without printing it again (8 times on an 8-GPU node). A node-specific error still shows, once per node."""
+    ranks = launcher_ranks()
+    return (ranks[2] if ranks is not None else int(os.environ.get("LOCAL_RANK") or 0)) == 0
+
+
 # Subcommands that are not Lightning's: they take their own flags (``python cli.py plot --help``).
 TOOLS = {"plot": "app.plot", "export": "app.export"}
 
@@ -819,7 +827,8 @@ def main(args: list[str] | None = None) -> CLI | None:
             args=args,
         )
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        if says_errors():
+            print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):

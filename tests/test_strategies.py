@@ -21,10 +21,12 @@ from app.errors import UserError
 from app.strategies import DataParallelStrategy, HorovodStrategy
 from app.strategies.dp import combine_outputs, in_context, split_batch
 from app.strategies.horovod import horovod_available
-from tests.conftest import ROOT, run_cli
+from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
 from tests.parity import (
     CASES,
     FLOAT32_TOLERANCE,
+    MPI_ENV,
+    MPIRUN,
     REFERENCE,
     TOLERANCE,
     VARIANT_CASES,
@@ -160,6 +162,21 @@ def test_horovod_devices_must_match_launched_processes(monkeypatch):
         monkeypatch.setenv(key, value)
     with pytest.raises(UserError, match=r"mpirun started 4 processes per node, but --trainer.devices=2"):
         Trainer(strategy="horovod", accelerator="cpu", devices=2, logger=False)
+
+
+@pytest.mark.slow
+def test_under_mpirun_a_bad_input_error_is_printed_once_not_once_per_rank(tmp_path):
+    """Every rank finds the same error; the first process of the node prints it, all exit 2."""
+    cli = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG)]
+    cli += ["--trainer.strategy=horovod", "--trainer.devices=4", f"--trainer.default_root_dir={tmp_path}"]
+    result = subprocess.run(
+        [str(MPIRUN), "-np", "2", "--oversubscribe", *cli],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path, env={**os.environ, **MPI_ENV},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    error = "error: mpirun started 2 processes per node, but --trainer.devices=4: pass --trainer.devices=2"
+    assert (result.stdout + result.stderr).count(error) == 1, result.stderr[-3000:]
+    assert not (tmp_path / "lightning_logs").exists()
 
 
 def test_horovod_multi_node_needs_a_launcher():
