@@ -174,7 +174,7 @@ def union_error(line: str) -> str | None:
     flag = f"--{key.group(1)}"
     missing = re.search(r"Problem with given class_path '([\w.]+)': module '([\w.]+)' has no attribute '(\w+)'", line)
     if missing:
-        class_path, module, name = missing.groups()
+        _, module, name = missing.groups()
         try:
             names = [n for n, v in vars(importlib.import_module(module)).items() if isinstance(v, type)]
         except ImportError:
