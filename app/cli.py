@@ -395,7 +395,8 @@ class CLI(LightningCLI):
         if job is not None:
             take_launcher_numbers(config.trainer, job)
         continued = self._elastic_restart(config, loggers, job)
-        self._claimed = claim_versions(loggers, continued)  # version_N made now: no other run can take it
+        if not config.trainer.get("fast_dev_run"):  # (fast_dev_run logs nothing: Lightning swaps the loggers out)
+            self._claimed = claim_versions(loggers, continued)  # version_N made now: no other run can take it
         if job is not None and job.restarts_possible and self.subcommand == "fit":
             self._elastic_run = ElasticRunFolder(job, self._claimed, continued, self._elastic_ckpt)
 

@@ -7,6 +7,9 @@ silently repeat epochs. This subclass writes ``last.ckpt`` at every point where 
 A run that stops before its first validation (``--trainer.max_steps`` inside the first epoch, a signal) has no
 ``val/acc`` to rank checkpoints by: it writes ``last.ckpt`` only, without Lightning's warning that the monitored
 key is missing. Once a validation has run, a monitor that it did not log stops the run with Lightning's error.
+
+``--trainer.fast_dev_run`` writes no checkpoint (Lightning 2.6 wrote ``last.ckpt`` at its end, which a later
+``--ckpt_path last`` then resumed from, skipping the epoch).
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ class ModelCheckpoint(LightningModelCheckpoint):
         if not (nothing_to_rank and self.monitor not in trainer.callback_metrics):
             super().on_train_epoch_end(trainer, pl_module)
         refresh_last_checkpoint(self, trainer, at_train_epoch_end=True)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.fast_dev_run:  # "checkpointing is suppressed" (Lightning 2.6's on_train_end wrote last.ckpt)
+            return
+        super().on_train_end(trainer, pl_module)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         self._validated = self._validated or not trainer.sanity_checking
