@@ -391,9 +391,16 @@ class CLI(LightningCLI):
             check_writable(root or Path.cwd())
         if is_first_process() and self.subcommand == "fit" and config.trainer.logger in (False, []):
             check_loggerless_root(Path(root or "."), config)
+        # Under a launcher, a config file's devices (written for a run of one process) yields to the processes per
+        # node it started; only --trainer.devices on the command line is checked against them.
+        argv = sys.argv[1:] if self._args is None else list(self._args)
+        devices_given = any(a == "--trainer.devices" or a.startswith("--trainer.devices=") for a in argv)
         job = torchrun_job()
         if job is not None:
-            take_launcher_numbers(config.trainer, job)
+            take_launcher_numbers(config.trainer, job, devices_given)
+        mpi = launcher_ranks()
+        if mpi is not None and not devices_given:
+            config.trainer.devices = mpi[3]
         continued = self._elastic_restart(config, loggers, job)
         if not config.trainer.get("fast_dev_run"):  # (fast_dev_run logs nothing: Lightning swaps the loggers out)
             self._claimed = claim_versions(loggers, continued)  # version_N made now: no other run can take it

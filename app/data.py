@@ -177,7 +177,7 @@ class FashionMNISTDataModule(LightningDataModule):
 
     def _log_batch_size(self) -> None:
         t, b = self.trainer, self.hparams.batch_size
-        devices = t.num_devices
+        devices = max(t.num_devices, t.world_size // t.num_nodes)  # mpirun -np 2 with devices=1 on CPU: 2 processes
         total = b * devices * t.num_nodes
         rank_zero_info(
             f"Batch size: {b} per device x {devices} devices x {t.num_nodes} nodes = {total} per step"

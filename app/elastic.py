@@ -101,12 +101,13 @@ def torchrun_restarts_possible() -> bool:
     return job is not None and job.restarts_possible
 
 
-def take_launcher_numbers(trainer_config, job: TorchrunJob) -> None:
+def take_launcher_numbers(trainer_config, job: TorchrunJob, devices_given: bool = True) -> None:
     """Put torchrun's processes per node and node count into the trainer settings.
 
-    ``--trainer.devices`` (left at auto) and ``--trainer.num_nodes`` (left at 1) are taken from the launcher. A value
-    given that disagrees is one line naming both numbers; after a restart that changed the number of nodes, the
-    launcher's count replaces a given ``num_nodes`` (the job re-formed without, or with more, nodes).
+    ``--trainer.devices`` (left at auto, or set by a config file rather than on the command line: ``devices_given``
+    false) and ``--trainer.num_nodes`` (left at 1) are taken from the launcher. A value given that disagrees is one
+    line naming both numbers; after a restart that changed the number of nodes, the launcher's count replaces a
+    given ``num_nodes`` (the job re-formed without, or with more, nodes).
     """
     strategy = trainer_config.strategy
     name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "")
@@ -116,7 +117,7 @@ def take_launcher_numbers(trainer_config, job: TorchrunJob) -> None:
             f"{job.world_size}; under torchrun use --trainer.strategy=ddp (one process per device)"
         )
     devices = trainer_config.devices
-    if devices in ("auto", None, -1, "-1"):
+    if devices in ("auto", None, -1, "-1") or not devices_given:
         trainer_config.devices = job.local_world_size
     elif _count(devices) != job.local_world_size:
         raise UserError(

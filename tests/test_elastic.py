@@ -351,6 +351,9 @@ def test_devices_and_nodes_come_from_torchrun_when_not_given(monkeypatch):
     config = trainer_config(devices=2, num_nodes=3)
     take_launcher_numbers(config, torchrun_job())  # given and equal: fine
     assert (config.devices, config.num_nodes) == (2, 3)
+    config = trainer_config(devices=1)  # from a config file written for one process, not on the command line
+    take_launcher_numbers(config, torchrun_job(), devices_given=False)
+    assert config.devices == 2
 
 
 @pytest.mark.parametrize(

@@ -87,7 +87,7 @@ class RunReport(Callback):
         parts += [
             f"{seconds:.1f} s",
             f"{images / max(self._train_seconds, 1e-9):,.0f} img/s",
-            f"{trainer.num_devices * trainer.num_nodes} x {trainer.strategy.root_device.type} "
+            f"{max(trainer.num_devices * trainer.num_nodes, trainer.world_size)} x {trainer.strategy.root_device.type} "
             f"({strategy_name(trainer)})",
         ]
         console_print(trainer, " | ".join(parts))
