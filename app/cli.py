@@ -583,10 +583,12 @@ class CLI(LightningCLI):
                 f"(step {checkpoint.get('global_step', '?')}) in the same run folder"
             )
         elif self.subcommand == "fit":
-            rank_zero_info(
-                f"{prefix}resuming from {ckpt_path} (step {checkpoint.get('global_step', '?')}); this run logs to a "
-                "new version folder, and cli.py plot of it draws the earlier run's curve too"
+            where = (
+                "its checkpoints go on in the same folder (no logger)"
+                if not self.trainer.loggers
+                else "this run logs to a new version folder, and cli.py plot of it draws the earlier run's curve too"
             )
+            rank_zero_info(f"{prefix}resuming from {ckpt_path} (step {checkpoint.get('global_step', '?')}); {where}")
         elif prefix:
             rank_zero_info(f"{prefix}{ckpt_path}")
         if "://" not in str(ckpt_path):

@@ -160,7 +160,7 @@ def test_without_a_logger_a_second_run_never_overwrites_the_first_and_a_resume_c
 
     again = run(command, cwd=tmp_path, fresh=False)
     assert again.returncode == 2, again.stderr[-3000:]
-    *_, line = again.stderr.strip().splitlines()  # after the seed's line
+    (line,) = again.stderr.strip().splitlines()
     assert "Traceback" not in again.stderr
     assert f"error: {root / 'checkpoints'}: holds an earlier run's checkpoints" in line and "--ckpt_path last" in line
     assert last.read_bytes() == before
@@ -169,6 +169,8 @@ def test_without_a_logger_a_second_run_never_overwrites_the_first_and_a_resume_c
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert noise(resumed.stderr) == [], noise(resumed.stderr)
     assert load_checkpoint(last)["epoch"] == 2
+    assert "its checkpoints go on in the same folder (no logger)" in resumed.stdout + resumed.stderr
+    assert "version folder" not in resumed.stdout + resumed.stderr and not (root / "lightning_logs").exists()
 
 
 def test_a_yaml_callbacks_list_keeps_the_default_callbacks(tmp_path, data_dir):
