@@ -7,6 +7,10 @@
   half-written ``last.ckpt``; a failed save removes its temporary file.
 - load: always ``torch.load(weights_only=True)`` (plain tensors and containers; a checkpoint carrying a pickled
   object is refused, not executed), remote ``http(s)://`` paths only when allowed, and one-line errors.
+
+Every checkpoint it writes carries the template's format number (:data:`FORMAT_KEY`); :func:`check_compatible` is
+the rule a run applies before it loads one: not from a newer template, written by the model class this run builds,
+with the network the task's :class:`~app.task.TaskSpec` names, and every tensor in the shape the network has.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 from app.errors import UserError
+from app.task import spec_of
 
 REMOTE_PREFIXES = ("http://", "https://")
 
@@ -116,8 +121,68 @@ class SafeCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        checkpoint.setdefault(FORMAT_KEY, CHECKPOINT_FORMAT)
         atomic_torch_save(checkpoint, path)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
         location = map_location if map_location is not None else (lambda storage, loc: storage)
         return safe_torch_load(path, allow_remote=self.allow_remote, map_location=location)
+
+
+# What a checkpoint of this template holds: 1 = no number (the loader's position counted per rank); 2 = the loader
+# saves its global position in the epoch (app/loader.py), so a run resumes at any world size.
+CHECKPOINT_FORMAT = 2
+FORMAT_KEY = "template_checkpoint_format"
+OLD_FORMAT_KEYS = ("fashion_mnist_template_format",)  # the same number, as checkpoints before 2026-11-25 name it
+
+
+def checkpoint_format(checkpoint: dict[str, Any]) -> int:
+    for key in (FORMAT_KEY, *OLD_FORMAT_KEYS):
+        if key in checkpoint:
+            return int(checkpoint[key])
+    return 1
+
+
+def load_checkpoint(ckpt_path: str | Path, allow_remote: bool = False) -> dict[str, Any]:
+    """A Lightning checkpoint, loaded safely (``weights_only``: plain data, nothing executed)."""
+    checkpoint = safe_torch_load(ckpt_path, allow_remote=allow_remote)
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise UserError(f"{ckpt_path}: not a checkpoint written by `cli.py fit` (no state_dict)")
+    checkpoint.setdefault("hyper_parameters", {})  # a module that never called save_hyperparameters
+    return checkpoint
+
+
+def saved_class(checkpoint: dict[str, Any]) -> str | None:
+    """The class path of the LightningModule that wrote the checkpoint, when LightningCLI recorded it."""
+    return checkpoint.get("hyper_parameters", {}).get("_class_path")
+
+
+def check_compatible(checkpoint: dict[str, Any], ckpt_path: str | Path, module: torch.nn.Module) -> None:
+    """Refuse, in one line, a checkpoint whose network is not the one this run builds, or that a newer version of
+    this template wrote (it may hold state this one would silently drop)."""
+    if checkpoint_format(checkpoint) > CHECKPOINT_FORMAT:
+        raise UserError(
+            f"{ckpt_path}: written by a newer version of this template (checkpoint format "
+            f"{checkpoint_format(checkpoint)}, this one reads up to {CHECKPOINT_FORMAT}); update this checkout "
+            "(git pull) to resume from it"
+        )
+    saved, hparams = checkpoint["hyper_parameters"], dict(getattr(module, "hparams", {}))
+    for key in spec_of(module).network:
+        if key in saved and key in hparams and saved[key] != hparams[key]:
+            raise UserError(
+                f"{ckpt_path} holds a network with --model.{key}={saved[key]}, but this run builds "
+                f"--model.{key}={hparams[key]}; pass --model.{key}={saved[key]} or another --ckpt_path"
+            )
+    check_weights_fit(checkpoint["state_dict"], module.state_dict(), ckpt_path)
+
+
+def check_weights_fit(weights: dict[str, Any], expected: dict[str, Any], ckpt_path: str | Path) -> None:
+    """Every tensor the network has, with the shape it has, and nothing else; one line naming the first misfit."""
+    for name in sorted(set(weights) | set(expected)):
+        have = tuple(weights[name].shape) if name in weights else "missing"
+        want = tuple(expected[name].shape) if name in expected else "not in this network"
+        if have != want:
+            raise UserError(
+                f"{ckpt_path}: its weights do not fit this network ({name}: checkpoint {have}, network {want}); "
+                "pass the --model options it was trained with, or another --ckpt_path"
+            )

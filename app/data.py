@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
@@ -23,7 +22,7 @@ from app.augment import normalize, random_crop_flip
 from app.datafiles import CLASSES, SPLITS, FashionMNISTFiles, Source, download
 from app.errors import UserError
 from app.image_folder import Invert, load_image_folder
-from app.loader import ResumableLoader, ResumableSampler
+from app.loader import ResumableLoader, make_loader
 
 # CLASSES and SPLITS are defined in app.datafiles; app.export and the prediction writer import CLASSES from here.
 __all__ = ["CLASSES", "MEAN", "SPLITS", "STD", "FashionMNISTDataModule", "TensorImageDataset", "keep_batch"]
@@ -54,6 +53,8 @@ def keep_batch(batch):
 
 
 class FashionMNISTDataModule(LightningDataModule):
+    class_names = CLASSES  # what predictions.csv calls each class (app/task.py)
+
     def __init__(
         self,
         data_dir: str = "data",
@@ -190,36 +191,20 @@ class FashionMNISTDataModule(LightningDataModule):
         )
 
     def _loader(self, dataset: TensorImageDataset, train: bool) -> DataLoader:
-        strategy = self.trainer.strategy if self.trainer is not None else None
-        # dp runs one process over several devices: it loads their batches together and splits them.
-        batch_size = self.hparams.batch_size * getattr(strategy, "devices_per_process", 1)
-        shard = getattr(strategy, "distributed_sampler_kwargs", None) or {}
-        on_cuda = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        options = dict(
-            batch_size=batch_size,
+        # The template's loader (app/loader.py): per-device batch under every strategy, one seeded order for all
+        # ranks that resumes part-way through an epoch at any world size, unpadded evaluation shards.
+        loader = make_loader(
+            self.trainer,
+            dataset,
+            train=train,
+            batch_size=self.hparams.batch_size,
+            seed=self.hparams.seed,
             collate_fn=keep_batch,
             num_workers=self.hparams.num_workers,
-            persistent_workers=self.hparams.num_workers > 0,
-            pin_memory=on_cuda,
         )
         if train:
-            # Chosen here rather than injected by Lightning, so that one process and N processes walk the same
-            # seeded permutation: rank r takes every N-th sample of it, and the union of the ranks' step-k
-            # batches is one device's step-k batch at N x batch_size. Resumable part-way through an epoch.
-            sampler = ResumableSampler(
-                dataset,
-                num_replicas=shard.get("num_replicas", 1),
-                rank=shard.get("rank", 0),
-                shuffle=True,
-                seed=self.hparams.seed,
-            )
-            self.train_loader = ResumableLoader(dataset, sampler=sampler, seed=self.hparams.seed, **options)
-            return self.train_loader
-        if shard:  # evaluation shards without the padding DistributedSampler adds: each sample counts once
-            sampler = UnrepeatedDistributedSampler(dataset, shard["num_replicas"], shard["rank"], shuffle=False)
-        else:
-            sampler = None
-        return DataLoader(dataset, sampler=sampler, **options)
+            self.train_loader = loader  # names each batch for augmentation (batch_seed)
+        return loader
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)

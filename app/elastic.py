@@ -62,9 +62,9 @@ def torchrun_job() -> TorchrunJob | None:
 
 
 # Set by the horovod strategy's own mpirun launch (``--trainer.strategy.max_restarts``) in its ranks' environment.
-MPI_RESTARTS_LEFT = "FASHION_MPI_RESTARTS_LEFT"  # how many more times the launcher restarts the ranks
-MPI_RESTART = "FASHION_MPI_RESTART"  # which start this is: 0 first, 1 the first restart, ...
-MPI_LAUNCH_DIR = "FASHION_MPI_LAUNCH_DIR"  # the launcher's private folder, where survivors report their state
+MPI_RESTARTS_LEFT = "TEMPLATE_MPI_RESTARTS_LEFT"  # how many more times the launcher restarts the ranks
+MPI_RESTART = "TEMPLATE_MPI_RESTART"  # which start this is: 0 first, 1 the first restart, ...
+MPI_LAUNCH_DIR = "TEMPLATE_MPI_LAUNCH_DIR"  # the launcher's private folder, where survivors report their state
 SAVED_STATE = "saved-state"  # a survivor's report: the file ``saved-state-RANK`` names the checkpoint it wrote
 
 

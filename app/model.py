@@ -20,15 +20,11 @@ from torch import nn
 from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 
-from app.checkpoint_io import safe_torch_load
+from app.checkpoint_io import check_weights_fit, load_checkpoint
 from app.errors import UserError
 from app.networks import Arch, Norm, build_resnet
 from app.strategies.dp import DataParallelStrategy
-
-# What a checkpoint of this template holds: 1 = no number (the loader's position counted per rank); 2 = the loader
-# saves its global position in the epoch (app/loader.py), so a run resumes at any world size.
-CHECKPOINT_FORMAT = 2
-FORMAT_KEY = "fashion_mnist_template_format"
+from app.task import TaskSpec
 
 # d2l trains ResNet-18 with plain SGD at lr 0.1 per 256 images; momentum, Nesterov and weight decay are the
 # usual ImageNet-recipe additions. ``cli.py`` shows these as the ``--model.optimizer`` default.
@@ -59,6 +55,18 @@ class WeightedMean(Metric):
 
 
 class ImageClassifier(LightningModule):
+    # What the template's machinery reads from this task (app/task.py): checkpoints are ranked by validation
+    # accuracy, these three arguments decide the weights' shapes, activation checkpointing wraps residual blocks.
+    spec = TaskSpec(
+        monitor="val/acc",
+        mode="max",
+        network=("arch", "num_classes", "norm"),
+        blocks=("BasicBlock", "Bottleneck"),
+    )
+
+    # The --model.optimizer default that cli.py shows in --help and records in config.yaml.
+    default_optimizer = {"class_path": "torch.optim.SGD", "init_args": dict(DEFAULT_SGD)}
+
     def __init__(
         self,
         arch: Arch = "resnet18",
@@ -220,9 +228,6 @@ class ImageClassifier(LightningModule):
         self._log_epoch("test")
 
     # ---------------------------------------------------------------- optimisation
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint[FORMAT_KEY] = CHECKPOINT_FORMAT
-
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """On a resumed fit: the optimizer arguments given on the command line go over the restored param groups
         (Lightning loads ``optimizer_states`` after this hook); a new lr becomes the schedulers' base lr too."""
@@ -248,7 +253,7 @@ class ImageClassifier(LightningModule):
         scheduler = self.scheduler_factory(optimizer)
         config = {"scheduler": scheduler, "interval": self.hparams.lr_scheduler_interval}
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            config["monitor"] = "val/acc"
+            config["monitor"] = self.spec.monitor
         return {"optimizer": optimizer, "lr_scheduler": config}
 
 
@@ -272,47 +277,6 @@ def network_state_dict(checkpoint: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The plain network's weights from a Lightning checkpoint: keys as ``build_resnet`` names them."""
     prefix = "net."
     return {k[len(prefix) :]: v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
-
-
-def load_checkpoint(ckpt_path: str | Path, allow_remote: bool = False) -> dict[str, Any]:
-    """A checkpoint of this project, loaded safely (``weights_only``: plain data, nothing executed)."""
-    checkpoint = safe_torch_load(ckpt_path, allow_remote=allow_remote)
-    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint or "hyper_parameters" not in checkpoint:
-        raise UserError(f"{ckpt_path}: not a checkpoint written by `cli.py fit` (no state_dict / hyper_parameters)")
-    return checkpoint
-
-
-ARCH_KEYS = ("arch", "num_classes", "norm")  # the hyperparameters that decide the network's weights
-
-
-def check_compatible(checkpoint: dict[str, Any], ckpt_path: str | Path, module: nn.Module) -> None:
-    """Refuse, in one line, a checkpoint whose network is not the one this run builds, or that a newer version of
-    this template wrote (it may hold state this one would silently drop)."""
-    if checkpoint.get(FORMAT_KEY, 1) > CHECKPOINT_FORMAT:
-        raise UserError(
-            f"{ckpt_path}: written by a newer version of this template (checkpoint format {checkpoint[FORMAT_KEY]}, "
-            f"this one reads up to {CHECKPOINT_FORMAT}); update this checkout (git pull) to resume from it"
-        )
-    saved, hparams = checkpoint["hyper_parameters"], dict(getattr(module, "hparams", {}))
-    for key in ARCH_KEYS:
-        if key in saved and key in hparams and saved[key] != hparams[key]:
-            raise UserError(
-                f"{ckpt_path} holds a network with --model.{key}={saved[key]}, but this run builds "
-                f"--model.{key}={hparams[key]}; pass --model.{key}={saved[key]} or another --ckpt_path"
-            )
-    check_weights_fit(checkpoint["state_dict"], module.state_dict(), ckpt_path)
-
-
-def check_weights_fit(weights: dict[str, Any], expected: dict[str, Any], ckpt_path: str | Path) -> None:
-    """Every tensor the network has, with the shape it has, and nothing else; one line naming the first misfit."""
-    for name in sorted(set(weights) | set(expected)):
-        have = tuple(weights[name].shape) if name in weights else "missing"
-        want = tuple(expected[name].shape) if name in expected else "not in this network"
-        if have != want:
-            raise UserError(
-                f"{ckpt_path}: its weights do not fit this network ({name}: checkpoint {have}, network {want}); "
-                "pass the --model options it was trained with, or another --ckpt_path"
-            )
 
 
 def saved_network(checkpoint: dict[str, Any], ckpt_path: str | Path) -> dict[str, Any]:

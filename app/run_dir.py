@@ -23,8 +23,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from app.errors import UserError
 from app.strategies.launch import launcher_ranks
 
-VERSION_ENV = "FASHION_RUN_VERSION"  # the claimed N, for the ranks a launcher starts after the claim
-KEEP_METRICS = ("train/loss", "val/", "test/")  # a run that logged one of these has something to keep
+VERSION_ENV = "TEMPLATE_RUN_VERSION"  # the claimed N, for the ranks a launcher starts after the claim
+# Columns of metrics.csv that say nothing of the training itself: a run that logged only these (the learning-rate
+# monitor logs at the first batch, before anything is trained) has nothing to keep. Any other value is kept,
+# whatever the task names its metrics.
+BOOKKEEPING = ("epoch", "step")
+BOOKKEEPING_PREFIXES = ("lr-",)
 
 
 def is_first_process() -> bool:
@@ -133,7 +137,8 @@ def check_writable(folder: Path) -> None:
 
 
 def release_if_unused(folders: list[Path]) -> None:
-    """Remove claimed run folders that hold no checkpoint, no predictions and no logged step or score."""
+    """Remove claimed run folders that hold no checkpoint, no predictions and nothing logged but bookkeeping at
+    step 0; a folder with any metric of the task's, whatever its name, or any row past step 0 is kept."""
     for folder in folders:
         if folder.is_dir() and not _worth_keeping(folder):
             shutil.rmtree(folder, ignore_errors=True)
@@ -148,5 +153,9 @@ def _worth_keeping(folder: Path) -> bool:
     if not metrics.is_file():
         return False
     with metrics.open(newline="") as f:
-        header = next(csv.reader(f), [])
-        return any(c.startswith(KEEP_METRICS) for c in header) and next(f, None) is not None
+        rows = csv.DictReader(f)
+        kept = [c for c in rows.fieldnames or [] if c not in BOOKKEEPING and not c.startswith(BOOKKEEPING_PREFIXES)]
+        for row in rows:
+            if any(row.get(c) not in (None, "") for c in kept) or (row.get("step") or "0").strip() not in ("0", ""):
+                return True  # a value of the task's own, or a row logged after the first step
+        return False

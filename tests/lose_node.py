@@ -1,7 +1,7 @@
 """Test-only callbacks for the elastic tests: a node that is lost, and a run that waits for a node to join.
 
 Each acts only on the launcher's first start (torchrun's ``TORCHELASTIC_RESTART_COUNT`` or the horovod
-self-launch's ``FASHION_MPI_RESTART`` 0) and in the process it names, so the restarted job runs undisturbed.
+self-launch's ``TEMPLATE_MPI_RESTART`` 0) and in the process it names, so the restarted job runs undisturbed.
 """
 
 import os
@@ -34,7 +34,7 @@ class LoseRankAtStep(Callback):
         self.step, self.rank = step, rank
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        first_start = os.environ.get("FASHION_MPI_RESTART", "0") == "0"
+        first_start = os.environ.get("TEMPLATE_MPI_RESTART", "0") == "0"
         if trainer.global_step == self.step and trainer.global_rank == self.rank and first_start:
             os.kill(os.getpid(), signal.SIGKILL)
 

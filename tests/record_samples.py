@@ -27,7 +27,7 @@ class RecordSamples(Callback):
         if len(self._ids) != len(images):
             raise AssertionError("two training images are identical: they cannot name samples")
         self.folder.mkdir(parents=True, exist_ok=True)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("FASHION_MPI_RESTART", "0"))
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("TEMPLATE_MPI_RESTART", "0"))
         name = f"restart{restart}-rank{trainer.global_rank}-pid{os.getpid()}.jsonl"
         self._file = (self.folder / name).open("a", buffering=1)
         datamodule = trainer.datamodule

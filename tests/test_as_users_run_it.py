@@ -26,8 +26,8 @@ import pytest
 import yaml
 from lightning.pytorch import Callback
 
+from app.checkpoint_io import load_checkpoint
 from app.cli import main
-from app.model import load_checkpoint
 from app.plot import epoch_metrics
 from app.strategies.launch import remove_stale_launch_folders
 from tests import warm

@@ -24,10 +24,11 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from lightning.pytorch import Trainer
 from torch.utils.data import DistributedSampler, TensorDataset
 
+from app.checkpoint_io import CHECKPOINT_FORMAT, FORMAT_KEY, check_compatible, load_checkpoint
 from app.elastic import agent_id, finished_run_of, mark_run, run_of, take_launcher_numbers, torchrun_job
 from app.errors import UserError
 from app.loader import ResumableLoader, ResumableSampler
-from app.model import CHECKPOINT_FORMAT, DEFAULT_SGD, FORMAT_KEY, check_compatible, load_checkpoint
+from app.model import DEFAULT_SGD
 from app.strategies import HorovodStrategy
 from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli

@@ -23,9 +23,8 @@ import pytest
 import torch
 import yaml
 
-from app.checkpoint_io import atomic_torch_save, safe_torch_load
+from app.checkpoint_io import atomic_torch_save, load_checkpoint, safe_torch_load
 from app.errors import UserError
-from app.model import load_checkpoint
 from tests import warm
 from tests.atomic_writer import write_forever
 from tests.conftest import CPU_TEST_CONFIG, ROOT, made_once, run_cli, shared_dir

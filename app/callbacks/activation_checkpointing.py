@@ -35,8 +35,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from app.errors import UserError
-
-DEFAULT_TARGETS = ("BasicBlock", "Bottleneck")  # torchvision's residual blocks
+from app.task import spec_of
 
 
 class ActivationCheckpointing(Callback):
@@ -44,14 +43,22 @@ class ActivationCheckpointing(Callback):
         """
         Args:
             modules: What to checkpoint: class names (``BasicBlock``) or module paths as in ``named_modules()``,
-                globs allowed (``net.layer*``). Default: every residual block (torchvision BasicBlock/Bottleneck).
+                globs allowed (``net.layer*``). Default: the blocks the model's ``spec`` names (app/task.py); the
+                example task's are its residual blocks (torchvision BasicBlock/Bottleneck).
         """
-        self.targets = tuple(modules) if modules else DEFAULT_TARGETS
+        self.modules = tuple(modules) if modules else ()
+        self.targets = self.modules
         self.wrapped: list[str] = []
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        self.targets = self.modules or spec_of(pl_module).blocks
+        if not self.targets:
+            raise UserError(
+                f"ActivationCheckpointing: {type(pl_module).__name__} names no blocks to recompute (spec = "
+                "TaskSpec(blocks=...), app/task.py); pass --trainer.callbacks.modules=[...] with class names or paths"
+            )
         self.wrapped = apply_activation_checkpointing(pl_module, self.targets)
         if not self.wrapped:
             raise UserError(

@@ -8,6 +8,9 @@ A run that stops before its first validation (``--trainer.max_steps`` inside the
 ``val/acc`` to rank checkpoints by: it writes ``last.ckpt`` only, without Lightning's warning that the monitored
 key is missing. Once a validation has run, a monitor that it did not log stops the run with Lightning's error.
 
+A monitor that the model does not log is one line at the end of the first validation (the sanity check, when it
+runs), before an epoch of training is lost; Lightning would raise only after the first training epoch.
+
 ``--trainer.fast_dev_run`` writes no checkpoint (Lightning 2.6 wrote ``last.ckpt`` at its end, which a later
 ``--ckpt_path last`` then resumed from, skipping the epoch).
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
+from app.errors import UserError
 from app.lightning_internals import refresh_last_checkpoint
 
 
@@ -39,6 +43,22 @@ class ModelCheckpoint(LightningModelCheckpoint):
         super().on_train_end(trainer, pl_module)
 
     def on_validation_end(self, trainer, pl_module) -> None:
+        check_monitor_logged(self.monitor, trainer, pl_module)
         self._validated = self._validated or not trainer.sanity_checking
         super().on_validation_end(trainer, pl_module)
         refresh_last_checkpoint(self, trainer, at_train_epoch_end=False)
+
+
+def check_monitor_logged(monitor: str | None, trainer, pl_module) -> None:
+    """Stop with one line when a validation has run without logging ``monitor``."""
+    if monitor is None or monitor in trainer.callback_metrics or trainer.fast_dev_run:
+        return
+    if not trainer.sanity_checking and trainer.state.fn != "fit":
+        return
+    logged = sorted(k for k in trainer.callback_metrics if not k.startswith(("train", "lr-")))
+    name = type(pl_module).__name__
+    raise UserError(
+        f"ModelCheckpoint ranks checkpoints by {monitor!r}, which {name} did not log in validation (it logged: "
+        f"{', '.join(logged) or 'nothing'}); set spec = TaskSpec(monitor=..., mode=...) in {name} (app/task.py), or "
+        "give your own --trainer.callbacks+=ModelCheckpoint --trainer.callbacks.monitor=..."
+    )

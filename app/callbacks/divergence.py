@@ -26,6 +26,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from app.callbacks.preemption import wait_for_local_ranks
 from app.lightning_internals import take_over_local_ranks
+from app.task import spec_of
 
 
 class Diverged(SystemExit):
@@ -107,6 +108,6 @@ class StopOnNonFinite(Callback):
         return (
             f"training diverged: {what}{shown} by step {trainer.global_step} (epoch {trainer.current_epoch}); "
             "the run stops without writing these weights (checkpoints already on disk hold finite ones). "
-            f"Lower the learning rate (now {lr}: --model.optimizer.lr), or warm it up "
+            f"Lower the learning rate (now {lr}: {spec_of(trainer.lightning_module).lr_flag}), or warm it up "
             "(--trainer.callbacks+=app.callbacks.LRWarmup)"
         )

@@ -1,9 +1,17 @@
 """``python cli.py predict`` writes ``predictions.csv`` into the run's folder (on by default in ``cli.py``).
 
-One row per sample, in dataset order, from every rank: ``index, name, label, pred, class, prob``, where ``name`` is
-the image's file name (``--data.predict_dir``) or ``test[i]``, and ``label`` the true class (-1 when unknown).
-With several processes every rank sends its rows to rank 0, which writes the file; a sample that a distributed
-sampler gave to two ranks (it pads the last batches so that every rank has as many) is written once.
+One row per sample, in dataset order, from every rank: ``index, name, label, pred, ...``. ``name`` is the data
+module's ``predict_names[index]`` when it has them (the example task: the image's file name or ``test[i]``), else
+the index; ``label`` is the batch's target when it carries one (the second element of a ``(x, y)`` batch, or a dict
+batch's ``label``/``target``/``y``), else -1. What follows comes from ``predict_step``:
+
+- a tensor: ``pred``, one value per sample (a vector per sample is written as values joined by spaces);
+- a dict of tensors: ``pred`` from ``preds`` (or the first entry), ``prob`` as the largest of ``probs`` when given,
+  and one more column per other entry.
+
+When the data module names its classes (``class_names``, app/task.py), integer predictions also get a ``class``
+column. With several processes every rank sends its rows to rank 0, which writes the file; a sample that a
+distributed sampler gave to two ranks (it pads the last batches so that every rank has as many) is written once.
 """
 
 from __future__ import annotations
@@ -11,13 +19,17 @@ from __future__ import annotations
 import csv
 import os
 from pathlib import Path
+from typing import Any
 
+import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 
-from app.data import CLASSES
+from app.task import class_names
+
+LABEL_KEYS = ("label", "labels", "target", "targets", "y")
 
 
 class PredictionWriter(BasePredictionWriter):
@@ -28,16 +40,18 @@ class PredictionWriter(BasePredictionWriter):
         """
         super().__init__(write_interval="batch")
         self.filename = filename
-        self._rows: list[tuple[int, int, int, float]] = []
+        self._rows: list[tuple[int, Any, dict[str, Any]]] = []
 
     def on_predict_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._rows = []
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
-        labels = batch[1].tolist() if isinstance(batch, (tuple, list)) and len(batch) > 1 else [-1] * len(batch_indices)
-        preds = prediction["preds"].tolist()
-        probs = prediction["probs"].max(dim=1).values.tolist()
-        self._rows += zip(batch_indices, labels, preds, probs, strict=True)
+        columns = prediction_columns(prediction)
+        labels = batch_labels(batch)
+        if labels is None or len(labels) != len(batch_indices):
+            labels = [-1] * len(batch_indices)
+        for i, index in enumerate(batch_indices):
+            self._rows.append((int(index), labels[i], {name: values[i] for name, values in columns.items()}))
 
     def on_predict_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         rows = self._rows
@@ -45,20 +59,75 @@ class PredictionWriter(BasePredictionWriter):
             everyone: list = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, rows)
             rows = [row for part in everyone for row in part]
-        rows = list({row[0]: row for row in rows}.values())  # one row per sample index
+        rows = sorted({row[0]: row for row in rows}.values(), key=lambda row: row[0])  # one row per sample index
         log_dir = trainer.log_dir  # a collective under ddp: every rank must ask, not only rank 0
         if not trainer.is_global_zero:
             return
         names = getattr(trainer.datamodule, "predict_names", None) or []
+        classes = class_names(trainer.datamodule)
+        extra = list(dict.fromkeys(name for _, _, values in rows for name in values if name not in ("pred", "prob")))
+        with_prob = any("prob" in values for _, _, values in rows)
+        with_class = bool(classes) and all(isinstance(values.get("pred"), int) for _, _, values in rows)
         folder = Path(log_dir or ".")
         folder.mkdir(parents=True, exist_ok=True)
         path, partial = folder / self.filename, folder / f".{self.filename}.partial"
         with open(partial, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["index", "name", "label", "pred", "class", "prob"])
-            for index, label, pred, prob in sorted(rows):
+            writer.writerow(["index", "name", "label", "pred"] + ["class"] * with_class + ["prob"] * with_prob + extra)
+            for index, label, values in rows:
                 name = names[index] if index < len(names) else str(index)
-                label_name = CLASSES[pred] if pred < len(CLASSES) else str(pred)
-                writer.writerow([index, name, label, pred, label_name, f"{prob:.4f}"])
+                pred = values.get("pred")
+                row = [index, name, _cell(label), _cell(pred)]
+                if with_class:
+                    row.append(classes[pred] if 0 <= pred < len(classes) else str(pred))
+                if with_prob:
+                    row.append(f"{values['prob']:.4f}" if "prob" in values else "")
+                writer.writerow(row + [_cell(values.get(name, "")) for name in extra])
         os.replace(partial, path)
-        rank_zero_info(f"Predictions for {len(rows)} images written to {path}")
+        rank_zero_info(f"Predictions for {len(rows)} samples written to {path}")
+
+
+def prediction_columns(prediction: Any) -> dict[str, list]:
+    """``predict_step``'s output for one batch as columns of per-sample Python values (one read from the device
+    per column)."""
+    if isinstance(prediction, torch.Tensor):
+        return {"pred": _per_sample(prediction)}
+    if not isinstance(prediction, dict) or not prediction:
+        raise TypeError(
+            "PredictionWriter: predict_step must return a tensor or a dict of tensors, one entry per sample; got "
+            f"{type(prediction).__name__} (leave the writer out with --drop_callbacks=[PredictionWriter])"
+        )
+    tensors = {k: v for k, v in prediction.items() if isinstance(v, torch.Tensor)}
+    main = "preds" if "preds" in tensors else next(iter(tensors))
+    columns = {"pred": _per_sample(tensors[main])}
+    if "probs" in tensors and tensors["probs"].dim() == 2:
+        columns["prob"] = tensors["probs"].max(dim=1).values.tolist()
+    for name, value in tensors.items():
+        if name not in (main, "probs"):
+            columns[name] = _per_sample(value)
+    return columns
+
+
+def batch_labels(batch: Any) -> list | None:
+    """The batch's targets as per-sample values, or None when it carries none that can be found."""
+    target = None
+    if isinstance(batch, tuple | list) and len(batch) > 1:
+        target = batch[1]
+    elif isinstance(batch, dict):
+        target = next((batch[k] for k in LABEL_KEYS if k in batch), None)
+    return _per_sample(target) if isinstance(target, torch.Tensor) and target.dim() >= 1 else None
+
+
+def _per_sample(values: torch.Tensor) -> list:
+    values = values.detach()
+    if values.dim() == 0:
+        return [values.item()]
+    return values.reshape(len(values), -1).squeeze(1).tolist() if values.dim() > 1 else values.tolist()
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, list):
+        return " ".join(str(_cell(v)) for v in value)
+    return value

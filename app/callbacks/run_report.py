@@ -4,6 +4,8 @@ Each epoch prints one line, like d2l's::
 
     epoch 3 | train loss 0.4120 | val acc 0.8712 | 12.3 s | 4,567 img/s | 2 x cuda (ddp)
 
+(the validation figure is the metric the task's ``spec.monitor`` names; "img/s" counts samples of any kind)
+
 and the end of training prints a table with one row per device: steps, mean step time, images/s and peak memory
 (``torch.cuda.max_memory_allocated`` on GPUs, the process's peak resident memory on CPU). Under ``dp`` device 0
 holds the master weights and gathers every output, so its peak memory stands above the others'; under ``ddp`` the
@@ -21,6 +23,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from app.callbacks.progress import console_print
 from app.strategies.dp import DataParallelStrategy
+from app.task import batch_samples, spec_of
 
 _FIELDS = ("images", "seconds", "steps", "peak_bytes")
 
@@ -48,7 +51,7 @@ class RunReport(Callback):
         self._train_seconds, self._images, self._loss_sum = 0.0, 0, 0.0
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        n = len(batch[1])
+        n = batch_samples(pl_module, batch)
         self._images += n
         loss = outputs.get("batch_loss", outputs["loss"]) if isinstance(outputs, dict) else outputs
         self._loss_sum = self._loss_sum + loss.detach().double() * n  # stays on the device: no sync per step
@@ -81,9 +84,10 @@ class RunReport(Callback):
         images, loss_sum = totals.tolist()
         seconds = time.perf_counter() - self._epoch_start
         parts = [f"epoch {trainer.current_epoch}", f"train loss {loss_sum / max(images, 1):.4f}"]
-        val_acc = trainer.callback_metrics.get("val/acc")
-        if val_acc is not None:
-            parts.append(f"val acc {float(val_acc):.4f}")
+        monitor = spec_of(pl_module).monitor  # the task's headline metric (val/acc -> "val acc 0.8712")
+        value = trainer.callback_metrics.get(monitor) if monitor else None
+        if value is not None:
+            parts.append(f"{monitor.replace('/', ' ').replace('_', ' ')} {float(value):.4f}")
         parts += [
             f"{seconds:.1f} s",
             f"{images / max(self._train_seconds, 1e-9):,.0f} img/s",

@@ -1,0 +1,82 @@
+"""What the machinery reads from a task: the contract between your LightningModule / LightningDataModule and the
+template's CLI, callbacks and checkpoint rules. Nothing else of a task is read.
+
+A LightningModule declares it as a class attribute; every field has a default, so a module that declares nothing
+still trains under every strategy::
+
+    from app.task import TaskSpec
+
+    class MyModel(LightningModule):
+        spec = TaskSpec(monitor="val_loss", mode="min", network=("hidden", "layers"), blocks=("GRU",))
+
+A data module may name its classes (``class_names``, a list of str), which ``predictions.csv`` then shows.
+The contract, the steps of a fork and what each promise needs of a data module: docs/fork.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a LightningModule tells the template about itself."""
+
+    monitor: str | None = None
+    """The logged metric that ranks checkpoints (``--ckpt_path best``) and feeds ReduceLROnPlateau. ``None``: no
+    ranking, ``best`` is the newest checkpoint. A name the model never logs stops the run after the first
+    validation (the sanity check, when it runs) with one line, before any training is lost."""
+    mode: Literal["min", "max"] = "min"
+    """Whether a larger (``max``) or smaller (``min``) ``monitor`` is better."""
+    network: tuple[str, ...] = ()
+    """The ``__init__`` arguments that decide the shapes of the weights (``arch``, ``hidden``, ...). A checkpoint
+    brings its own values for these to ``--ckpt_path`` runs; giving another value is an error naming both."""
+    blocks: tuple[str, ...] = ()
+    """Submodule class names or paths (globs allowed) that activation checkpointing wraps by default."""
+    lr_flag: str = "--model.optimizer.lr"
+    """The flag that sets the learning rate, named in hints (divergence, warmup)."""
+    samples: Callable[[Any], int] | None = None
+    """How many samples a batch holds (the run report's images/s); default: :func:`count_samples`."""
+
+
+DEFAULT_SPEC = TaskSpec()
+
+
+def spec_of(module: Any) -> TaskSpec:
+    """The module's (or its class's) :class:`TaskSpec`, or the defaults when it declares none."""
+    spec = getattr(module, "spec", None)
+    if spec is not None and not isinstance(spec, TaskSpec):
+        name = module.__name__ if isinstance(module, type) else type(module).__name__
+        raise TypeError(f"{name}.spec must be an app.task.TaskSpec, not {type(spec).__name__}")
+    return spec or DEFAULT_SPEC
+
+
+def count_samples(batch: Any) -> int:
+    """The samples in a batch of any usual shape: a tensor (its first dimension), a tuple or list (its first
+    element's), a dict (its first tensor's). 0 when none is found."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        for value in batch.values():
+            if (n := count_samples(value)) > 0:
+                return n
+        return 0
+    if isinstance(batch, Sequence) and not isinstance(batch, str | bytes) and batch:
+        return count_samples(batch[0])
+    return 0
+
+
+def batch_samples(module: Any, batch: Any) -> int:
+    """Samples in ``batch``, by the module's spec when it says how, else :func:`count_samples`."""
+    counter = spec_of(module).samples
+    return int(counter(batch)) if counter is not None else count_samples(batch)
+
+
+def class_names(datamodule: Any) -> list[str]:
+    """The data module's ``class_names`` (empty when it names none)."""
+    names = getattr(datamodule, "class_names", None)
+    return [str(n) for n in names] if names else []
