@@ -11,6 +11,8 @@ sample of the epoch once. With the same number of ranks the order is exactly tha
 The loader also names each batch by ``(epoch, batch)``: augmentation seeds its random numbers from that name
 (:meth:`ResumableLoader.batch_seed`), so the random crops of a resumed run are those of an unbroken run without any
 random-number state in the checkpoint.
+
+:func:`make_loader` is what a data module calls to get these promises for its own dataset (docs/fork.md).
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
 def fit_to_ranks(count: int, ranks: int, drop_last: bool) -> int:
@@ -131,3 +134,40 @@ class ResumableLoader(DataLoader):
         # Checkpoints written before the global position was saved: their world size was this one.
         consumed = state.get("samples", state["batches"] * self.batch_size * self.sampler.num_replicas)
         self.sampler.resume_at(state["epoch"], consumed)
+
+
+def make_loader(
+    trainer: Any, dataset: Dataset, *, train: bool, batch_size: int, seed: int = 0, **options: Any
+) -> DataLoader:
+    """The template's loader for any map-style dataset, for a data module's ``*_dataloader`` methods::
+
+        def train_dataloader(self):
+            return make_loader(self.trainer, self.train_set, train=True, batch_size=self.hparams.batch_size)
+
+    What it keeps, whichever strategy runs (``trainer`` may be None outside a Trainer):
+
+    - ``batch_size`` is per device: ``dp``, one process over several devices, gets its devices' batches together;
+    - training: one seeded order for all ranks (rank r of N takes every N-th sample of it), so N ranks train on what
+      one device trains at N x the batch; the loader saves its position in the epoch with the checkpoint and a
+      resume (at any world size, an elastic restart included) trains each remaining sample of the epoch once;
+    - evaluation: sharded over the ranks without the padding ``DistributedSampler`` adds (each sample counts once).
+
+    ``options`` go to ``DataLoader`` (``collate_fn``, ``num_workers``, ...); ``pin_memory`` defaults to True on CUDA.
+    """
+    strategy = trainer.strategy if trainer is not None else None
+    batch_size = batch_size * getattr(strategy, "devices_per_process", 1)
+    shard = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    on_cuda = strategy is not None and strategy.root_device.type == "cuda"
+    options.setdefault("pin_memory", on_cuda)
+    if options.get("num_workers", 0) > 0:
+        options.setdefault("persistent_workers", True)
+    if train:
+        sampler = ResumableSampler(
+            dataset, num_replicas=shard.get("num_replicas", 1), rank=shard.get("rank", 0), shuffle=True, seed=seed
+        )
+        return ResumableLoader(dataset, sampler=sampler, seed=seed, batch_size=batch_size, **options)
+    if shard:
+        sampler = UnrepeatedDistributedSampler(dataset, shard["num_replicas"], shard["rank"], shuffle=False)
+    else:
+        sampler = None
+    return DataLoader(dataset, sampler=sampler, batch_size=batch_size, **options)

@@ -42,7 +42,7 @@ from app.elastic import (
     report_saved_state,
     restarts_possible,
 )
-from app.errors import UserError
+from app.errors import TemplateWarning, UserError
 from app.loader import ResumableLoader
 
 
@@ -92,6 +92,7 @@ class Elastic(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         loader = _train_loader(trainer)
         if not isinstance(loader, ResumableLoader):
+            self._warn_own_loader(trainer, loader)
             return
         devices = trainer.world_size * _devices_per_process(trainer)
         device_batch = loader.batch_size // _devices_per_process(trainer)
@@ -103,6 +104,26 @@ class Elastic(Callback):
         self._shape = {"devices": devices, "device_batch": device_batch, "accumulate": trainer.accumulate_grad_batches}
         if trainer.is_global_zero:
             self._continue_metrics(trainer)
+
+    def _warn_own_loader(self, trainer, loader) -> None:
+        """A data module's own training loader keeps none of the loader promises (app/loader.py): say which one
+        this run relies on, once, instead of breaking it silently."""
+        if loader is None or not trainer.is_global_zero:
+            return
+        name = type(trainer.datamodule).__name__ if trainer.datamodule is not None else "the model"
+        void = []
+        if trainer.ckpt_path is not None:
+            void.append("a resume from a checkpoint taken mid-epoch starts that epoch over")
+        if self.restartable or is_restart():
+            void.append("a restart after a lost node or rank changes neither the order nor the global batch")
+        if _devices_per_process(trainer) > 1:
+            void.append(f"dp splits each of its batches over {_devices_per_process(trainer)} devices")
+        if void:
+            warnings.warn(
+                f"{name}'s training loader is not app.loader.make_loader's: {'; '.join(void)} (docs/fork.md)",
+                TemplateWarning,
+                stacklevel=2,
+            )
 
     def _line_up_batches(self, trainer, loader: ResumableLoader) -> None:
         """Lightning counts batches per rank; at another world size the restored count names another position.
