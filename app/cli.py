@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import Trainer
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_info
@@ -24,8 +24,7 @@ from lightning.pytorch.utilities import rank_zero_info
 import app  # noqa: F401  (registers the dp and horovod strategies)
 from app.callbacks import RankWatchdog
 from app.callbacks.elastic import ElasticRunFolder
-from app.checkpoint_io import SafeCheckpointIO
-from app.data import FashionMNISTDataModule
+from app.checkpoint_io import SafeCheckpointIO, check_compatible, load_checkpoint, saved_class
 from app.elastic import (
     TorchrunJob,
     agent_id,
@@ -36,9 +35,14 @@ from app.elastic import (
     torchrun_job,
 )
 from app.errors import UserError
-from app.model import ARCH_KEYS, DEFAULT_SGD, ImageClassifier, check_compatible, load_checkpoint
 from app.run_dir import check_writable, claim_versions, folder_logger_root, is_first_process, release_if_unused
 from app.strategies.launch import launcher_ranks, mpi_world_size
+from app.task import DEFAULT_SPEC, TaskSpec, spec_of
+
+# The task a run trains when the command line names no class (``--model=pkg.Class``, ``--data=pkg.Class`` or a YAML
+# ``class_path``). The machinery never imports it: a fork passes its own to main() in cli.py (docs/fork.md).
+DEFAULT_MODEL = "app.model.ImageClassifier"
+DEFAULT_DATA = "app.data.FashionMNISTDataModule"
 
 # Added to every fit/validate/test/predict, beside the run's own callbacks (a YAML ``trainer.callbacks:`` list or
 # ``--trainer.callbacks+=``), unless the run gives a callback of the same kind (its own ModelCheckpoint, progress
@@ -48,16 +52,7 @@ DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.ProgressBar"},
     {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
     {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"},
-    {
-        "class_path": "app.callbacks.ModelCheckpoint",
-        "init_args": {
-            "monitor": "val/acc",
-            "mode": "max",
-            "save_last": True,
-            "filename": "epoch={epoch}-val_acc={val/acc:.4f}",
-            "auto_insert_metric_name": False,
-        },
-    },
+    {"class_path": "app.callbacks.ModelCheckpoint"},  # its settings come from the task's spec: checkpoint_options
     {"class_path": "app.callbacks.RunReport"},
     {"class_path": "app.callbacks.PredictionWriter"},
     {"class_path": "app.callbacks.Preemption"},
@@ -90,7 +85,26 @@ def _import(class_path: str) -> type:
     return getattr(importlib.import_module(module), name)
 
 
-def default_callbacks(trainer_config: dict, own: list, drop: list[str]) -> list:
+def _init_parameters(cls: type) -> list[str] | None:
+    """The names ``cls(...)`` takes, or None when it takes any (``**kwargs``)."""
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return [name for name in parameters if name != "self"]
+
+
+def checkpoint_options(spec: TaskSpec) -> dict:
+    """The default ModelCheckpoint's settings for a task: the best by its monitored metric (``epoch=3-val_acc=0.9123
+    .ckpt``), or without one the newest epoch's; ``last.ckpt`` always."""
+    options = {"save_last": True, "auto_insert_metric_name": False}
+    if spec.monitor is None:
+        return {**options, "filename": "epoch={epoch}-step={step}"}
+    safe = re.sub(r"[^\w.-]", "_", spec.monitor)  # val/acc -> val_acc: no folder in the file name
+    filename = f"epoch={{epoch}}-{safe}={{{spec.monitor}:.4f}}"
+    return {**options, "monitor": spec.monitor, "mode": spec.mode, "filename": filename}
+
+
+def default_callbacks(trainer_config: dict, own: list, drop: list[str], spec: TaskSpec = DEFAULT_SPEC) -> list:
     """The default callbacks (built) that a run with these trainer settings and own callbacks gets."""
     for name in drop:
         if name not in DEFAULT_CALLBACK_NAMES:
@@ -106,11 +120,12 @@ def default_callbacks(trainer_config: dict, own: list, drop: list[str]) -> list:
         "ModelCheckpoint": trainer_config.get("enable_checkpointing") is False,
     }
     built = []
-    for spec, name in zip(DEFAULT_CALLBACKS, DEFAULT_CALLBACK_NAMES, strict=True):
-        kind = _import(_KIND.get(name, spec["class_path"]))
+    for entry, name in zip(DEFAULT_CALLBACKS, DEFAULT_CALLBACK_NAMES, strict=True):
+        kind = _import(_KIND.get(name, entry["class_path"]))
         if name in drop or switched_off.get(name) or any(isinstance(c, kind) for c in own):
             continue
-        built.append(_import(spec["class_path"])(**spec.get("init_args", {})))
+        options = checkpoint_options(spec) if name == "ModelCheckpoint" else entry.get("init_args", {})
+        built.append(_import(entry["class_path"])(**options))
     return built
 
 
@@ -344,20 +359,21 @@ class CLI(LightningCLI):
     def after_instantiate_classes(self) -> None:
         if self._seed_line is not None:
             self._seed_line.release()
-        data = self._subconfig(self.config).get("data")
+        data = self._init_args(self._subconfig(self.config), "data")
         if data is not None and isinstance(data.get("data_dir"), str):
             # config.yaml (written at setup) names the files this run read, whichever folder it runs again from;
             # the data module and its messages keep the folder as given
             data.data_dir = os.path.abspath(os.path.expanduser(data.data_dir))
 
     def add_arguments_to_parser(self, parser) -> None:
-        parser.set_defaults(
-            {
-                "model.optimizer": {"class_path": "torch.optim.SGD", "init_args": dict(DEFAULT_SGD)},
-                "trainer.max_epochs": 10,
-                "trainer.logger": default_loggers(),
-            }
-        )
+        defaults = {"trainer.max_epochs": 10, "trainer.logger": default_loggers()}
+        # A model that takes --model.optimizer may name its default (the example task: SGD), shown in --help and
+        # recorded in config.yaml. Only for a class fixed in advance: under --model=pkg.Class a default set here
+        # would carry over into another class's arguments.
+        optimizer = getattr(self.model_class, "default_optimizer", None)
+        if not self.subclass_mode_model and optimizer and "optimizer" in _init_parameters(self.model_class):
+            defaults["model.optimizer"] = optimizer
+        parser.set_defaults(defaults)
         # On in every run: --watchdog.timeout=SECONDS (see app/callbacks/rank_watchdog.py).
         parser.add_lightning_class_args(RankWatchdog, "watchdog")
         parser.add_argument(
@@ -375,6 +391,17 @@ class CLI(LightningCLI):
 
     def _subconfig(self, config):
         return config[self.subcommand] if self.subcommand else config
+
+    def _init_args(self, config, group: str):
+        """The ``model`` or ``data`` arguments of a parsed config, whether the class was fixed or named."""
+        value = config.get(group)
+        subclass = self.subclass_mode_model if group == "model" else self.subclass_mode_data
+        return value.get("init_args") if subclass and value is not None else value
+
+    def _chosen_model_class(self, subcommand: str) -> type:
+        if not self.subclass_mode_model:
+            return self.model_class
+        return _import(self.config[subcommand].model.class_path)
 
     def before_instantiate_classes(self) -> None:
         config = self._subconfig(self.config)
@@ -444,7 +471,8 @@ class CLI(LightningCLI):
         if config.trainer.get("logger") in (False, []):
             self.save_config_callback = None  # no run folder for config.yaml: it would go into the root itself
         own = list(config.trainer.get("callbacks") or [])
-        kwargs["callbacks"] = default_callbacks(config.trainer, own, config.get("drop_callbacks") or []) + own
+        drop = config.get("drop_callbacks") or []
+        kwargs["callbacks"] = default_callbacks(config.trainer, own, drop, spec_of(self.model)) + own
         if self._elastic_run is not None:
             kwargs["callbacks"].insert(0, self._elastic_run)  # its setup's check comes before any other collective
         try:
@@ -482,7 +510,7 @@ class CLI(LightningCLI):
         - a training setting given explicitly (``--model.optimizer...``, ``--model.label_smoothing``, ...) wins over
           the checkpoint's, with a one-line notice naming it; one not given is the checkpoint's;
         - ``fit`` resumes the optimizer's state, with the optimizer arguments given explicitly (its lr, momentum,
-          ...) put over the restored ones (:meth:`ImageClassifier.on_load_checkpoint`).
+          ...) put over the restored ones (the example task's ``on_load_checkpoint``).
 
         The run's config.yaml records the values used. The file is loaded safely (``weights_only``; one-line errors
         for a missing, truncated, remote or unsafe file).
@@ -494,33 +522,40 @@ class CLI(LightningCLI):
         if not ckpt_path or ckpt_path == "hpc":
             return
         allow_remote = bool(self.config[subcommand].get("allow_remote_ckpt"))
-        saved = dict(self._load(ckpt_path, allow_remote)["hyper_parameters"])
-        saved.pop("_instantiator", None)
-        known = inspect.signature(ImageClassifier.__init__).parameters
-        unknown = sorted(set(saved) - set(known))
-        if unknown:
-            raise UserError(f"{ckpt_path}: not a checkpoint of this model (unknown hyperparameters {unknown})")
+        checkpoint = self._load(ckpt_path, allow_remote)
+        saved = {k: v for k, v in checkpoint["hyper_parameters"].items() if not k.startswith("_")}
+        model_class = self._chosen_model_class(subcommand)
+        class_path = f"{model_class.__module__}.{model_class.__qualname__}"
+        writer = saved_class(checkpoint)
+        known = _init_parameters(model_class)
+        unknown = sorted(set(saved) - set(known)) if known is not None else []
+        if (writer and writer != class_path) or unknown:
+            wrote = f"written by {writer}" if writer else f"unknown hyperparameters {unknown}"
+            fix = f"pass --model={writer}" if writer else "pass --model=THE.CLASS.THAT.WROTE.IT"
+            raise UserError(f"{ckpt_path}: not a checkpoint of {class_path} ({wrote}); {fix}, or another --ckpt_path")
+        network = spec_of(model_class).network
         explicit = self._explicit_model_settings(subcommand)
-        given = self.config[subcommand].model
-        for key in ARCH_KEYS:
+        given = self._init_args(self.config[subcommand], "model")
+        for key in network:
             if key in saved and key in explicit and given.get(key) != saved[key]:
                 raise UserError(
                     f"{ckpt_path} holds a network with --model.{key}={saved[key]}, but --model.{key}={given.get(key)} "
                     f"was given; drop the flag (the checkpoint's value is used) or pass another --ckpt_path"
                 )
-        taken = {k: v for k, v in saved.items() if k in ARCH_KEYS or k not in explicit}
+        taken = {k: v for k, v in saved.items() if k in network or k not in explicit}
         if subcommand == "fit" and "optimizer" in explicit:
             self._optimizer_overrides = optimizer_overrides(explicit["optimizer"], saved.get("optimizer"), ckpt_path)
             if isinstance(saved.get("optimizer"), dict):  # the restored optimizer, with the given arguments over it
                 init_args = {**saved["optimizer"].get("init_args", {}), **self._optimizer_overrides}
                 taken["optimizer"] = {**saved["optimizer"], "init_args": init_args}
         notes = [
-            f"--model.{k}={explicit[k]}" for k in sorted(explicit) if k not in (*ARCH_KEYS, "optimizer") and k in saved
+            f"--model.{k}={explicit[k]}" for k in sorted(explicit) if k not in (*network, "optimizer") and k in saved
         ]
         notes += [f"--model.optimizer.{k}={v}" for k, v in self._optimizer_overrides.items()]
         if notes:
             rank_zero_info(f"--ckpt_path {ckpt_path}: the checkpoint's network and settings, except {', '.join(notes)}")
-        self.config = self.parser.parse_object({subcommand: {"model": taken}}, self.config)
+        model = {"class_path": class_path, "init_args": taken} if self.subclass_mode_model else taken
+        self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
 
     def _load(self, ckpt_path, allow_remote: bool = False) -> dict:
         key = str(ckpt_path) if "://" in str(ckpt_path) else str(Path(ckpt_path).resolve())
@@ -532,6 +567,8 @@ class CLI(LightningCLI):
         """The ``--model`` settings this command gives itself (flags and --config files), without the defaults."""
         args = self._args if isinstance(self._args, list) else sys.argv[1:]
         given = self.parser.parse_args(args, defaults=False)[subcommand].get("model")
+        if given is not None and self.subclass_mode_model:
+            given = given.get("init_args")
         return {k: _plain(v) for k, v in vars(given).items()} if given else {}
 
     def _check_ckpt_path(self) -> None:
@@ -820,7 +857,50 @@ def says_errors() -> bool:
 TOOLS = {"plot": "app.plot", "export": "app.export"}
 
 
-def main(args: list[str] | None = None) -> CLI | None:
+def names_class(argv: list[str], group: str) -> bool:
+    """Whether the command line or one of its ``--config`` files names the ``group``'s class (``--model=pkg.Class``,
+    ``--model.class_path``, a YAML ``model: {class_path: ...}``)."""
+    flag = f"--{group}"
+    for i, arg in enumerate(argv):
+        if arg == f"{flag}.class_path" or arg.startswith(f"{flag}.class_path="):
+            return True
+        value = arg[len(flag) + 1 :] if arg.startswith(f"{flag}=") else None
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value is None:
+            continue
+        if Path(value).is_file():  # --model=file.yaml
+            try:
+                data = yaml.safe_load(Path(value).read_text())
+            except yaml.YAMLError:
+                return False  # jsonargparse names the file
+            if isinstance(data, dict) and "class_path" in data:
+                return True
+        elif re.fullmatch(r"[A-Za-z_][\w.]*", value) or "class_path" in value:  # a class (path), inline YAML
+            return True
+    return any(has_key(data, f"{group}.class_path") for data in Parser.config_files.values())
+
+
+def task_classes(argv: list[str], model: str | type, data: str | type) -> dict:
+    """LightningCLI's class arguments: the default task's classes, fixed (flat ``--model.arch``, flat YAML), unless
+    the command line names another class, which then works as in any LightningCLI (``--model=pkg.Class
+    --model.hidden=64``; its own defaults, none of the default class's)."""
+    kwargs = {}
+    for group, default, base, key in (
+        ("model", model, LightningModule, "model_class"),
+        ("data", data, LightningDataModule, "datamodule_class"),
+    ):
+        named = names_class(argv, group)
+        kwargs[key] = base if named else (_import(default) if isinstance(default, str) else default)
+        kwargs[f"subclass_mode_{group}"] = named
+    return kwargs
+
+
+def main(
+    args: list[str] | None = None, model: str | type = DEFAULT_MODEL, data: str | type = DEFAULT_DATA
+) -> CLI | None:
+    """``cli.py``: train, validate, test or predict ``model`` on ``data`` (class paths or classes), or any other
+    LightningModule and LightningDataModule that the command line names by class path."""
     argv = sys.argv[1:] if args is None else list(args)
     try:
         check_config_files(argv)
@@ -828,8 +908,7 @@ def main(args: list[str] | None = None) -> CLI | None:
             importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
             return None
         return CLI(
-            ImageClassifier,
-            FashionMNISTDataModule,
+            **task_classes(argv, model, data),
             seed_everything_default=42,
             parser_class=Parser,
             parser_kwargs={"allow_abbrev": False},  # --trainer.max_epoch is a typo, not --trainer.max_epochs
