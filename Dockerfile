@@ -16,6 +16,7 @@ COPY app ./app
 COPY cli.py ./
 COPY configs ./configs
 COPY bench ./bench
+COPY examples ./examples
 # The requirement set CI installs (setup.cfg's install_requires and the runtime extras of its `dev` extra):
 # mpi brings mpi4py and Open MPI (mpirun) for the horovod strategy; tensorboard and plot for the run's pictures.
 RUN python -m pip install ".[mpi,tensorboard,plot]"

@@ -36,12 +36,12 @@ test-fast: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow" $(ARGS)
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check app tests bench cli.py
-	$(BIN)/ruff format --check app tests bench cli.py
+	$(BIN)/ruff check app examples tests bench cli.py
+	$(BIN)/ruff format --check app examples tests bench cli.py
 
 format: $(VENV)/.installed-dev
-	$(BIN)/ruff check --fix app tests bench cli.py
-	$(BIN)/ruff format app tests bench cli.py
+	$(BIN)/ruff check --fix app examples tests bench cli.py
+	$(BIN)/ruff format app examples tests bench cli.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
