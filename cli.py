@@ -5,10 +5,16 @@ python cli.py fit --trainer.strategy=ddp --trainer.devices=4               # one
 python cli.py fit --trainer.strategy=dp --trainer.devices=4                # one process, DataParallel
 mpirun -np 4 python cli.py fit --trainer.strategy=horovod                 # Horovod programming model
 python cli.py test --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt
+python cli.py fit --model=mypkg.MyModel --data=mypkg.MyData        # any task by class path (docs/fork.md)
 python cli.py --help
 """
 
 from app.cli import main
 
+# The task a run trains when the command line names no class. A fork that makes its own task the default changes
+# these two class paths; nothing under app/ changes.
+MODEL = "app.model.ImageClassifier"
+DATA = "app.data.FashionMNISTDataModule"
+
 if __name__ == "__main__":
-    main()
+    main(model=MODEL, data=DATA)

@@ -1,4 +1,5 @@
-"""``python cli.py plot lightning_logs/version_N``: loss, accuracy and images/s per epoch, as a PNG next to the run.
+"""``python cli.py plot lightning_logs/version_N``: loss, accuracy and images/s per epoch, as a PNG next to the run
+(for another task: its own per-epoch metrics in one more panel).
 
 Reads the run's ``metrics.csv`` (written by the CSV logger), joined to those of the runs it resumed from, and
 writes ``plot.png`` in the same folder (``--out`` to choose another path): the epoch losses over the per-step loss,
@@ -82,20 +83,35 @@ def run_rows(run_dir: Path) -> list[tuple[Path, dict[str, str]]]:
 
 
 def epoch_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """``{metric: [(epoch, value), ...]}`` for every per-epoch metric of a run (and the runs it resumed from).
+    """``{metric: [(epoch, value), ...]}`` for every per-epoch metric of a run (and the runs it resumed from): the
+    example task's (:data:`PANELS`) and any other task's, a metric logged at most once per epoch.
 
     An epoch logged twice (the interrupted one, then again after the resume) keeps the last value.
     """
     series: dict[str, dict[int, float]] = defaultdict(dict)
+    seen: dict[str, set[tuple[Path, int]]] = defaultdict(set)  # (metrics.csv, epoch) pairs that hold a value
+    per_step: set[str] = set()
     for metrics_csv, row in run_rows(run_dir):
         if not row.get("epoch"):
             continue
         epoch = int(_number(metrics_csv, row, "epoch"))
-        for _, names in PANELS:
-            for name in names:
-                if row.get(name):
-                    series[name][epoch] = _number(metrics_csv, row, name)
-    return {name: sorted(values.items()) for name, values in series.items()}
+        for name, value in row.items():
+            if not value or name in ("epoch", "step", STEP_LOSS) or name.startswith("lr-"):
+                continue
+            if (metrics_csv, epoch) in seen[name]:
+                per_step.add(name)  # two values in one epoch of one run: logged per step
+            seen[name].add((metrics_csv, epoch))
+            series[name][epoch] = _number(metrics_csv, row, name)
+    return {name: sorted(values.items()) for name, values in series.items() if name not in per_step}
+
+
+def panels(series: dict[str, list]) -> list[tuple[str, tuple[str, ...]]]:
+    """The example task's panels that have data, then one panel of every other task's per-epoch metrics."""
+    known = [(title, names) for title, names in PANELS if any(series.get(n) for n in names)]
+    shown = {n for _, names in PANELS for n in names}
+    others = tuple(sorted(n for n in series if n not in shown and not n.startswith("perf/") and series[n]))
+    speed = [panel for panel in known if panel[0].startswith("images/s")]
+    return [p for p in known if p not in speed] + ([("metrics", others)] if others else []) + speed
 
 
 def step_losses(run_dir: Path) -> list[tuple[float, float]]:
@@ -142,10 +158,12 @@ def figure(run_dir: str | Path):
         project = Path(__file__).resolve().parents[1]
         raise UserError(f'plot needs matplotlib: {sys.executable} -m pip install -e "{project}[plot]"') from None
     series = epoch_metrics(run_dir)
-    if not series:
+    layout = panels(series)
+    if not layout:
         raise UserError(f"{metrics_csv}: no per-epoch metrics yet (has an epoch finished?)")
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.8), constrained_layout=True)
-    for ax, (title, names) in zip(axes, PANELS, strict=True):
+    fig, axes = plt.subplots(1, len(layout), figsize=(5 * len(layout), 3.8), constrained_layout=True, squeeze=False)
+    axes = list(axes[0])
+    for ax, (title, names) in zip(axes, layout, strict=True):
         if title == "loss" and (steps := step_losses(run_dir)):
             ax.plot(*zip(*steps, strict=True), color="0.6", linewidth=0.8, alpha=0.6, label=f"{STEP_LOSS} (per step)")
         for name in names:
@@ -158,14 +176,15 @@ def figure(run_dir: str | Path):
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()
-    axes[-1].set_ylim(bottom=0)  # speed from 0: run-to-run noise is not a trend
+        if title.startswith("images/s"):
+            ax.set_ylim(bottom=0)  # speed from 0: run-to-run noise is not a trend
     source = data_source(run_dir)
     if source == "synthetic":
         fig.suptitle(
             f"{run_dir}  —  SYNTHETIC stand-in data: these accuracies say nothing about Fashion-MNIST", color="red"
         )
     else:
-        fig.suptitle(f"{run_dir}  —  data: {source or 'unknown'}")
+        fig.suptitle(f"{run_dir}  —  data: {source}" if source else str(run_dir))
     return fig
 
 
