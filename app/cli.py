@@ -35,6 +35,7 @@ from app.elastic import (
     torchrun_job,
 )
 from app.errors import UserError
+from app.lightning_internals import epochs_done
 from app.run_dir import check_writable, claim_versions, folder_logger_root, is_first_process, release_if_unused
 from app.strategies.launch import launcher_ranks, mpi_world_size
 from app.task import DEFAULT_SPEC, TaskSpec, spec_of
@@ -637,8 +638,7 @@ def nothing_left_to_train(checkpoint: dict, ckpt_path: str, trainer) -> None:
     """A resume whose checkpoint already reached ``max_epochs`` or ``max_steps`` trains nothing (Lightning's fit loop
     is done before it starts): say so in one line and exit 0, leaving no run folder, instead of a silent empty run.
     Exit 0, not an error: a restart loop (``until cli.py fit ... --ckpt_path last``) ends when the run has."""
-    epochs = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
-    epochs, step = epochs.get("processed", 0), checkpoint.get("global_step", 0)
+    epochs, step = epochs_done(checkpoint), checkpoint.get("global_step", 0)
     if trainer.max_epochs not in (None, -1) and epochs >= trainer.max_epochs:
         reached, more = f"{epochs} epoch(s), --trainer.max_epochs={trainer.max_epochs}", "--trainer.max_epochs"
     elif trainer.max_steps not in (None, -1) and step >= trainer.max_steps:

@@ -18,13 +18,24 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
 5. ``CLI._parse_ckpt_path`` (:mod:`app.cli`) — ``LightningCLI``'s step that reads the checkpoint's
    hyperparameters into the config; overridden to apply the template's ``--ckpt_path`` rule.
 6. :func:`take_over_local_ranks` — the ``ddp`` launcher's child-process observer SIGKILLs rank 0 as soon as a
-   child rank exits with a non-zero code, which after a preemption (143) or a divergence stop is the planned exit.
+   child rank exits with a non-zero code, which after a preemption (143) or a divergence stop is the planned exit;
+   :func:`local_rank_processes` reads the same list (the rank watchdog kills its local ranks when it stops).
+7. The fit loop's counters, which Lightning checkpoints but does not document: :func:`step_values_read` (is this
+   step's logged value read: the loop's last-batch flag, ``val_check_batch``, ``total_batch_idx``),
+   :func:`resuming_fit` and :func:`shift_batch_count` (an elastic restart lines the batch count up with the
+   re-dealt loader), :func:`fit_loop_state` (the loops' state after a step).
+8. The layout of ``checkpoint["loops"]``: :func:`epochs_done`, :func:`validation_progress` (a stop in
+   validation restarts it in full), :func:`put_fit_loop_state` (the state of the last completed step).
+9. :func:`saving_alone` — ``Trainer.save_checkpoint`` on a broken process group: the strategy's barrier and its
+   rank-0-only save, replaced for the duration of one save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import subprocess
+from collections.abc import Iterator
 
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 
@@ -89,3 +100,87 @@ def take_over_local_ranks(trainer) -> list[subprocess.Popen]:
     taken = list(procs)
     procs.clear()
     return taken
+
+
+def local_rank_processes(trainer) -> list[subprocess.Popen]:
+    """In rank 0 of a ``ddp`` launch: the processes of the other local ranks (left watched by Lightning)."""
+    return list(getattr(trainer.strategy.launcher, "procs", None) or [])
+
+
+# ---------------------------------------------------------------------------------------- 7. the fit loop's counters
+def step_values_read(trainer, batch_idx: int) -> bool:
+    """Whether a per-step value logged now is read: Lightning writes the step's values to the loggers (every
+    ``log_every_n_steps`` optimizer steps, at a stop, in ``fast_dev_run``), or the loop leaves training after this
+    batch (the epoch's last batch, ``max_steps``, a validation), where callbacks read ``callback_metrics``. Every
+    other step's value would be overwritten unread. Cases not recognised here count as read. Call it from
+    ``on_train_batch_end``.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    every = trainer.log_every_n_steps
+    # In on_train_batch_end global_step already counts this batch's optimizer step: it is the "+ 1" of
+    # Lightning's own test (batches that stepped so far, this one included).
+    if trainer.fast_dev_run or trainer.should_stop or (every and trainer.global_step % every == 0):
+        return True
+    if loop.batch_progress.is_last_batch or trainer.global_step == trainer.max_steps:
+        return True
+    every_batches = trainer.val_check_batch  # None: time-based validation; inf: a loader without a length
+    if every_batches is None or every_batches == float("inf"):
+        return True
+    index = loop.total_batch_idx if trainer.check_val_every_n_epoch is None else batch_idx
+    return (index + 1) % int(every_batches) == 0
+
+
+def resuming_fit(trainer) -> bool:
+    """Whether this fit restored its loops from a checkpoint and has not yet finished restarting."""
+    return bool(trainer.fit_loop.restarting)
+
+
+def shift_batch_count(trainer, shift: int) -> None:
+    """Move the training batch counters (this epoch's and the total) by ``shift`` batches, all by the same amount."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for tracker in (progress.current, progress.total):
+        tracker.ready += shift
+        tracker.started += shift
+        tracker.processed += shift
+        tracker.completed += shift
+
+
+def batch_count(trainer) -> int:
+    """Training batches of the current epoch that the loop counts as started (its ``ready`` counter)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def fit_loop_state(trainer) -> dict:
+    """The fit loop's state as a checkpoint stores it (new dicts, loader positions included)."""
+    return trainer.fit_loop.state_dict()
+
+
+# ---------------------------------------------------------------------------------- 8. checkpoint["loops"]'s layout
+def epochs_done(checkpoint: dict) -> int:
+    """Epochs the checkpoint's fit had completed (0 when it holds no loop state)."""
+    epochs = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
+    return int(epochs.get("processed", 0))
+
+
+def validation_progress(checkpoint: dict) -> dict:
+    """The (mutable) batch counters of the validation inside fit, as the checkpoint stores them."""
+    return checkpoint["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]
+
+
+def put_fit_loop_state(checkpoint: dict, state: dict) -> None:
+    """Make the checkpoint resume from ``state`` (a :func:`fit_loop_state`) instead of the loops' present one."""
+    checkpoint["loops"]["fit_loop"] = state
+
+
+# ------------------------------------------------------------------------------------------ 9. a save on a broken group
+@contextlib.contextmanager
+def saving_alone(strategy) -> Iterator[dict]:
+    """While inside: ``trainer.save_checkpoint`` skips the strategy's barrier and hands the checkpoint dict to the
+    yielded dict (key ``checkpoint``) instead of writing it on rank 0 only; the caller writes it."""
+    captured: dict = {}
+    strategy.barrier = lambda *args, **kwargs: None
+    strategy.save_checkpoint = lambda checkpoint, *args, **kwargs: captured.update(checkpoint=checkpoint)
+    try:
+        yield captured
+    finally:
+        del strategy.barrier, strategy.save_checkpoint  # the class's methods again

@@ -22,6 +22,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from app.checkpoint_io import check_weights_fit, load_checkpoint
 from app.errors import UserError
+from app.lightning_internals import step_values_read
 from app.networks import Arch, Norm, build_resnet
 from app.strategies.dp import DataParallelStrategy
 from app.task import TaskSpec
@@ -174,30 +175,8 @@ class ImageClassifier(LightningModule):
             # Not prog_bar=True: Lightning turns progress-bar values into Python floats after every batch, a wait
             # for the GPU each step. Logged only at the steps where something reads it (each self.log is about
             # 0.3 ms of host time in Lightning, the largest part of a step's overhead at small batches).
-            if self._step_value_read(self.trainer, batch_idx):
+            if step_values_read(self.trainer, batch_idx):
                 self.log("train/loss", loss, on_step=True, on_epoch=False, batch_size=target.numel())
-
-    @staticmethod
-    def _step_value_read(trainer, batch_idx: int) -> bool:
-        """Whether a per-step value logged now is read: Lightning writes the step's values to the loggers (every
-        ``log_every_n_steps`` optimizer steps, at a stop, in ``fast_dev_run``), or the loop leaves training after
-        this batch (the epoch's last batch, ``max_steps``, a validation), where callbacks read ``callback_metrics``.
-        Every other step's value would be overwritten unread, so metrics.csv, TensorBoard and ``callback_metrics``
-        at those points hold exactly what logging every step gave them. Cases not recognised here log every step.
-        """
-        loop = trainer.fit_loop.epoch_loop
-        every = trainer.log_every_n_steps
-        # In on_train_batch_end global_step already counts this batch's optimizer step: it is the "+ 1" of
-        # Lightning's own test (batches that stepped so far, this one included).
-        if trainer.fast_dev_run or trainer.should_stop or (every and trainer.global_step % every == 0):
-            return True
-        if loop.batch_progress.is_last_batch or trainer.global_step == trainer.max_steps:
-            return True
-        every_batches = trainer.val_check_batch  # None: time-based validation; inf: a loader without a length
-        if every_batches is None or every_batches == float("inf"):
-            return True
-        index = loop.total_batch_idx if trainer.check_val_every_n_epoch is None else batch_idx
-        return (index + 1) % int(every_batches) == 0
 
     def _log_epoch(self, stage: str) -> None:
         # The metric objects are logged once per epoch, not per batch: each self.log of a Metric moves it "to the

@@ -9,6 +9,8 @@ import inspect
 import re
 
 import lightning
+import pytest
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
@@ -92,7 +94,32 @@ def test_cli_parse_ckpt_path_step():
 PRIVATE = re.compile(
     r"from lightning[\w.]* import .*\b_[A-Za-z]|lightning[\w.]*\._[a-z]"
     r"|\b(trainer|strategy|callback|connector|launcher|pl_module)\._[a-z]"
+    # undocumented state reached through public attributes: the loops' counters, the checkpoint's loop layout, the
+    # launcher's process list, strategy methods replaced at run time
+    r"|(?<!\\)\.(fit_loop|epoch_loop|batch_progress|val_check_batch|total_batch_idx)\b"
+    r"|\[[\"'](loops|fit_loop)[\"']\]|\.procs\b|[\"']procs[\"']"
+    r"|\bstrategy\.(barrier|save_checkpoint|broadcast|reduce|all_gather|teardown)\s*=[^=]"
 )
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "loop = trainer.fit_loop.epoch_loop",
+        "every = trainer.val_check_batch",
+        'progress = checkpoint["loops"]["fit_loop"]["epoch_progress"]',
+        'children = getattr(trainer.strategy.launcher, "procs", [])',
+        "strategy.barrier = lambda *args: None",
+        "trainer.strategy._layer_sync = None",
+    ],
+)
+def test_the_guard_catches_attribute_chains_and_layouts(line):
+    assert PRIVATE.search(line), line
+
+
+def test_the_guard_lets_public_use_pass():
+    for line in ("trainer.strategy.barrier()", "if trainer.global_step == step:", "strategy.checkpoint_io = io"):
+        assert not PRIVATE.search(line) or "checkpoint_io" in line, line
 
 
 def test_no_private_lightning_reach_elsewhere_in_app():
@@ -104,3 +131,42 @@ def test_no_private_lightning_reach_elsewhere_in_app():
             if PRIVATE.search(line.split("#")[0]):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "private Lightning internals outside app/lightning_internals.py:\n" + "\n".join(found)
+
+
+def test_loop_counters_and_the_checkpoints_loop_layout(tmp_path):
+    """What items 7 and 8 read and write, on a real fit and its checkpoint."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from app.lightning_internals import (
+        batch_count,
+        epochs_done,
+        fit_loop_state,
+        put_fit_loop_state,
+        resuming_fit,
+        shift_batch_count,
+        step_values_read,
+        validation_progress,
+    )
+
+    seen = {}
+
+    class Probe(BoringModel):
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            seen.setdefault("read", []).append(step_values_read(self.trainer, batch_idx))
+            seen["count"], seen["resuming"] = batch_count(self.trainer), resuming_fit(self.trainer)
+
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", max_epochs=1, limit_train_batches=4, limit_val_batches=1,
+        log_every_n_steps=50, logger=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Probe())
+    assert seen["read"] == [False, False, False, True] and seen["count"] == 4 and seen["resuming"] is False
+    shift_batch_count(trainer, 2)
+    assert batch_count(trainer) == 6
+    trainer.save_checkpoint(tmp_path / "x.ckpt")
+    checkpoint = torch.load(tmp_path / "x.ckpt", weights_only=True)
+    assert epochs_done(checkpoint) == 1 and epochs_done({}) == 0
+    assert set(validation_progress(checkpoint)) >= {"total", "current", "is_last_batch"}
+    state = fit_loop_state(trainer)
+    put_fit_loop_state(checkpoint, state)
+    assert checkpoint["loops"]["fit_loop"] is state

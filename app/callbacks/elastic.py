@@ -43,6 +43,14 @@ from app.elastic import (
     restarts_possible,
 )
 from app.errors import TemplateWarning, UserError
+from app.lightning_internals import (
+    batch_count,
+    fit_loop_state,
+    put_fit_loop_state,
+    resuming_fit,
+    saving_alone,
+    shift_batch_count,
+)
 from app.loader import ResumableLoader
 
 
@@ -97,7 +105,7 @@ class Elastic(Callback):
         devices = trainer.world_size * _devices_per_process(trainer)
         device_batch = loader.batch_size // _devices_per_process(trainer)
         restored = self._restored
-        if restored and restored.get("devices") != devices and trainer.fit_loop.restarting:
+        if restored and restored.get("devices") != devices and resuming_fit(trainer):
             self._line_up_batches(trainer, loader)
             if self.keep_global_batch:
                 self._keep_global_batch(trainer, restored, devices, device_batch)
@@ -129,13 +137,7 @@ class Elastic(Callback):
         """Lightning counts batches per rank; at another world size the restored count names another position.
         Shift its counters (all by the same amount, so its restart logic reads them as before) to the batch the
         re-dealt epoch starts at, so the epoch still ends at ``len(loader)`` and accumulation windows line up."""
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        shift = loader.first_batch() - progress.current.ready
-        for tracker in (progress.current, progress.total):
-            tracker.ready += shift
-            tracker.started += shift
-            tracker.processed += shift
-            tracker.completed += shift
+        shift_batch_count(trainer, loader.first_batch() - batch_count(trainer))
 
     def _keep_global_batch(self, trainer, restored: dict, devices: int, device_batch: int) -> None:
         accumulate = trainer.accumulate_grad_batches
@@ -194,11 +196,11 @@ class Elastic(Callback):
         if self.restartable and (self._last_step is None or self._last_step[0] != trainer.global_step):
             # The position after an optimizer step, where Lightning's own step checkpoints are taken: the loops' and
             # the loader's counters, in new dicts (~0.2 ms on a slow 2-core CPU, once per optimizer step).
-            self._last_step = (trainer.global_step, trainer.fit_loop.state_dict())
+            self._last_step = (trainer.global_step, fit_loop_state(trainer))
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self._saving_loops is not None:
-            checkpoint["loops"]["fit_loop"] = self._saving_loops
+            put_fit_loop_state(checkpoint, self._saving_loops)
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if not self.restartable or isinstance(exception, UserError | KeyboardInterrupt | SystemExit):
@@ -213,16 +215,14 @@ class Elastic(Callback):
         path = callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST)
         callback.last_model_path = path
         strategy = trainer.strategy
-        captured: dict = {}
         self._saving_loops = loops
-        # The process group is broken: no barrier after the save, and every survivor writes (rank 0 may be gone).
-        strategy.barrier = lambda *args, **kwargs: None
-        strategy.save_checkpoint = lambda checkpoint, *args, **kwargs: captured.update(checkpoint=checkpoint)
         # The rank watchdog would end this process as soon as it judges the peer lost: not in the middle of the file.
         watchdogs = [c.held() for c in trainer.callbacks if isinstance(c, RankWatchdog)]
         with contextlib.ExitStack() as hold:
             for watchdog in watchdogs:
                 hold.enter_context(watchdog)
+            # The process group is broken: no barrier after the save, and every survivor writes (rank 0 may be gone).
+            captured = hold.enter_context(saving_alone(strategy))
             try:
                 trainer.save_checkpoint(path, weights_only=False)
                 strategy.checkpoint_io.save_checkpoint(captured["checkpoint"], path)
@@ -232,7 +232,6 @@ class Elastic(Callback):
                 return
             finally:
                 self._saving_loops = None
-                del strategy.barrier, strategy.save_checkpoint  # the class's methods again
             self.saved_after_failure = str(path)
             report_saved_state(trainer.global_rank, str(path))
             reason = " ".join(str(exception).split())[:200]

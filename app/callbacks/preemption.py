@@ -32,7 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.callbacks.progress import console_print, live_bar_console
 from app.elastic import torchrun_restarts_possible
-from app.lightning_internals import log_step_now, take_over_local_ranks
+from app.lightning_internals import log_step_now, take_over_local_ranks, validation_progress
 
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
 
@@ -192,7 +192,7 @@ class Preemption(Callback):
         # done but restarts the loader, so it would validate the first batches only. These counters make it read
         # as "restarted in validation, no batch done" (the pattern of EvaluationLoop.update_restart_stage), so the
         # resumed run validates the epoch in full; test_reliability's validation-stop test fails if this changes.
-        progress = checkpoint["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]
+        progress = validation_progress(checkpoint)
         progress["total"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
         progress["current"] = {"ready": 0, "started": 0, "processed": 0, "completed": 0}
         progress["is_last_batch"] = False

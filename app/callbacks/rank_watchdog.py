@@ -33,6 +33,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
 from app.elastic import restarts_possible
 from app.errors import UserError
+from app.lightning_internals import local_rank_processes
 from app.strategies.launch import process_alive
 
 EXIT_CODE = 1
@@ -181,7 +182,7 @@ class RankWatchdog(Callback):
         store = rendezvous_store(trainer, self.timeout)
         if store is None:
             return
-        self._children = list(getattr(trainer.strategy.launcher, "procs", []) or [])
+        self._children = local_rank_processes(trainer)
         self._checkpointer = trainer.checkpoint_callback  # its dirpath is known only later
         self._heartbeat = Heartbeat(
             store, trainer.global_rank, trainer.world_size, self.timeout, self.interval, f"rank-watchdog/{stage}"
