@@ -13,8 +13,8 @@ from app.cli import main
 
 # The task a run trains when the command line names no class. A fork that makes its own task the default changes
 # these two class paths; nothing under app/ changes.
-MODEL = "app.model.ImageClassifier"
-DATA = "app.data.FashionMNISTDataModule"
+MODEL = "app.fashion_mnist.model.ImageClassifier"
+DATA = "app.fashion_mnist.data.FashionMNISTDataModule"
 
 if __name__ == "__main__":
     main(model=MODEL, data=DATA)

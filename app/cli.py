@@ -42,8 +42,8 @@ from app.task import DEFAULT_SPEC, TaskSpec, spec_of
 
 # The task a run trains when the command line names no class (``--model=pkg.Class``, ``--data=pkg.Class`` or a YAML
 # ``class_path``). The machinery never imports it: a fork passes its own to main() in cli.py (docs/fork.md).
-DEFAULT_MODEL = "app.model.ImageClassifier"
-DEFAULT_DATA = "app.data.FashionMNISTDataModule"
+DEFAULT_MODEL = "app.fashion_mnist.model.ImageClassifier"
+DEFAULT_DATA = "app.fashion_mnist.data.FashionMNISTDataModule"
 
 # Added to every fit/validate/test/predict, beside the run's own callbacks (a YAML ``trainer.callbacks:`` list or
 # ``--trainer.callbacks+=``), unless the run gives a callback of the same kind (its own ModelCheckpoint, progress
@@ -854,7 +854,7 @@ def says_errors() -> bool:
 
 
 # Subcommands that are not Lightning's: they take their own flags (``python cli.py plot --help``).
-TOOLS = {"plot": "app.plot", "export": "app.export"}
+TOOLS = {"plot": "app.plot", "export": "app.fashion_mnist.export"}
 
 
 def names_class(argv: list[str], group: str) -> bool:

@@ -35,8 +35,8 @@ from statistics import median
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from app.data import MEAN, STD, FashionMNISTDataModule
-from app.networks import build_resnet
+from app.fashion_mnist.data import MEAN, STD, FashionMNISTDataModule
+from app.fashion_mnist.networks import build_resnet
 from bench.plain import synchronize
 from bench.report import record
 

@@ -17,7 +17,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from app.callbacks.activation_checkpointing import apply_activation_checkpointing
-from app.networks import build_resnet
+from app.fashion_mnist.networks import build_resnet
 from bench.report import record
 
 

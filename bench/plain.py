@@ -17,9 +17,9 @@ import time
 import torch
 from torch import nn
 
-from app.data import MEAN, STD, FashionMNISTDataModule
-from app.model import DEFAULT_SGD
-from app.networks import build_resnet
+from app.fashion_mnist.data import MEAN, STD, FashionMNISTDataModule
+from app.fashion_mnist.model import DEFAULT_SGD
+from app.fashion_mnist.networks import build_resnet
 
 
 def synchronize(device: torch.device) -> None:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from app.networks import build_resnet
+from app.fashion_mnist.networks import build_resnet
 from app.reductions import GradientAllreduce
 from bench.report import record
 

@@ -22,7 +22,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory) -> Path:
     """Synthetic Fashion-MNIST IDX files, written once per test session."""
-    from app.data import FashionMNISTDataModule
+    from app.fashion_mnist.data import FashionMNISTDataModule
 
     path = tmp_path_factory.mktemp("data")
     FashionMNISTDataModule(data_dir=str(path), source="synthetic").prepare_data()

@@ -17,8 +17,8 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 
 import app  # noqa: F401  (registers dp and horovod)
 from app.callbacks import ActivationCheckpointing, DDPCommHook, LRWarmup, SyncBatchNorm
-from app.data import FashionMNISTDataModule
-from app.model import ImageClassifier
+from app.fashion_mnist.data import FashionMNISTDataModule
+from app.fashion_mnist.model import ImageClassifier
 
 
 def main(argv: list[str] | None = None) -> None:

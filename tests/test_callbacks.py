@@ -17,8 +17,8 @@ from app.callbacks.activation_checkpointing import apply_activation_checkpointin
 from app.callbacks.sync_batchnorm import AllReduceBatchNorm, convert_batchnorm
 from app.callbacks.warmup import lr_scale, warmup_factor
 from app.errors import UserError
-from app.model import ImageClassifier
-from app.networks import build_resnet
+from app.fashion_mnist.model import ImageClassifier
+from app.fashion_mnist.networks import build_resnet
 from bench.checkpointing import saved_bytes
 from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli

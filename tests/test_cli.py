@@ -10,8 +10,8 @@ import pytest
 import torch
 import yaml
 
-from app.model import ImageClassifier, load_network, network_state_dict
-from app.networks import build_resnet
+from app.fashion_mnist.model import ImageClassifier, load_network, network_state_dict
+from app.fashion_mnist.networks import build_resnet
 from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
 

@@ -4,11 +4,11 @@ import warnings
 import pytest
 import torch
 
-from app import synthetic
-from app.augment import random_crop_flip
-from app.data import FashionMNISTDataModule, TensorImageDataset, keep_batch
-from app.datafiles import SPLITS
-from app.idx import DataFileError, read_idx, write_idx
+from app.fashion_mnist import synthetic
+from app.fashion_mnist.augment import random_crop_flip
+from app.fashion_mnist.data import FashionMNISTDataModule, TensorImageDataset, keep_batch
+from app.fashion_mnist.datafiles import SPLITS
+from app.fashion_mnist.idx import DataFileError, read_idx, write_idx
 
 
 def test_synthetic_is_deterministic_and_seeded():
@@ -66,7 +66,7 @@ def test_synthetic_files_of_an_older_generator_are_written_again(tmp_path, data_
     raw = tmp_path / "FashionMNIST-synthetic" / "raw"
     shutil.copytree(data_dir / "FashionMNIST-synthetic" / "raw", raw)
     good = {p.name: p.read_bytes() for p in raw.iterdir()}
-    for stamp in (None, "app.synthetic version 1, seed 0\n"):
+    for stamp in (None, "app.fashion_mnist.synthetic version 1, seed 0\n"):
         old_images, old_labels = synthetic.generate(10_000, seed=1)  # version 1's test split: other prototypes
         write_idx(raw / "t10k-images-idx3-ubyte", old_images)
         write_idx(raw / "t10k-labels-idx1-ubyte", old_labels)
@@ -75,7 +75,7 @@ def test_synthetic_files_of_an_older_generator_are_written_again(tmp_path, data_
             (raw / "GENERATOR").write_text(stamp)
         with caplog.at_level("INFO"):
             FashionMNISTDataModule(data_dir=str(tmp_path), source="synthetic").prepare_data()
-        assert "older version of app/synthetic.py; writing them again" in caplog.text
+        assert "older version of app/fashion_mnist/synthetic.py; writing them again" in caplog.text
         assert {p.name: p.read_bytes() for p in raw.iterdir()} == good
         caplog.clear()
 

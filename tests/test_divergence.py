@@ -72,8 +72,8 @@ def test_check_interval_is_validated():
 
 def test_export_refuses_non_finite_weights(tmp_path):
     from app.errors import UserError
-    from app.export import export
-    from app.model import ImageClassifier
+    from app.fashion_mnist.export import export
+    from app.fashion_mnist.model import ImageClassifier
 
     module = ImageClassifier(arch="resnet_tiny")
     state = {f"net.{k}": v for k, v in module.net.state_dict().items()}

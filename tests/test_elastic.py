@@ -27,8 +27,8 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from app.checkpoint_io import CHECKPOINT_FORMAT, FORMAT_KEY, check_compatible, load_checkpoint
 from app.elastic import agent_id, finished_run_of, mark_run, run_of, take_launcher_numbers, torchrun_job
 from app.errors import UserError
+from app.fashion_mnist.model import DEFAULT_SGD
 from app.loader import ResumableLoader, ResumableSampler
-from app.model import DEFAULT_SGD
 from app.strategies import HorovodStrategy
 from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
@@ -442,7 +442,7 @@ def test_torchrun_refuses_more_minimum_nodes_than_maximum(tmp_path):
 
 
 def test_a_checkpoint_from_a_newer_format_is_refused_in_one_line(tmp_path):
-    from app.model import ImageClassifier
+    from app.fashion_mnist.model import ImageClassifier
 
     module = ImageClassifier(arch="resnet_tiny")
     checkpoint = {FORMAT_KEY: CHECKPOINT_FORMAT + 1, "hyper_parameters": dict(module.hparams), "state_dict": {}}

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from app.errors import UserError
-from app.networks import ARCHS, build_resnet
+from app.fashion_mnist.networks import ARCHS, build_resnet
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -417,7 +417,7 @@ def test_sigkill_at_random_moments_of_checkpoint_writes_never_breaks_last_ckpt(t
 
 # ------------------------------------------------------------------------------------------------ bad input
 def _corrupt(data: Path, name: str, change) -> None:
-    from app.idx import read_idx, write_idx
+    from app.fashion_mnist.idx import read_idx, write_idx
 
     path = data / "FashionMNIST-synthetic" / "raw" / name
     write_idx(path, change(read_idx(path)))
@@ -513,7 +513,7 @@ class _Payload:
 
 @pytest.mark.parametrize("case", BAD_INPUT)
 def test_bad_input_is_one_line_error_exit_2_and_nothing_overwritten(case, bad_input_dir, data_dir, capsys, monkeypatch):
-    from app.data import FashionMNISTDataModule
+    from app.fashion_mnist.data import FashionMNISTDataModule
 
     monkeypatch.chdir(bad_input_dir)
     monkeypatch.setattr(FashionMNISTDataModule, "_download", lambda self: (_ for _ in ()).throw(OSError("no network")))

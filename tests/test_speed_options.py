@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.callbacks import ProgressBar
 from app.cli import DEFAULT_CALLBACKS
-from app.data import FashionMNISTDataModule
 from app.errors import UserError
-from app.model import ImageClassifier
+from app.fashion_mnist.data import FashionMNISTDataModule
+from app.fashion_mnist.model import ImageClassifier
 from bench.__main__ import flops_per_image
 from tests.conftest import CPU_TEST_CONFIG, run_cli
 

@@ -233,7 +233,7 @@ def test_split_batch_follows_torch_chunk_and_combine_weights_by_size():
 
 def test_dp_keeps_only_chunk_zero_batchnorm_update():
     """As nn.DataParallel: replica 0 shares the root's buffers, the other replicas' updates are discarded."""
-    from app.model import ImageClassifier
+    from app.fashion_mnist.model import ImageClassifier
 
     torch.manual_seed(0)
     model = ImageClassifier(arch="resnet_tiny")

@@ -10,11 +10,11 @@ import torch
 from PIL import Image
 from torchvision.io import decode_image, write_png
 
-from app.data import MEAN, STD
-from app.export import load_exported
-from app.idx import read_idx
-from app.model import ImageClassifier, load_network
-from app.networks import build_resnet
+from app.fashion_mnist.data import MEAN, STD
+from app.fashion_mnist.export import load_exported
+from app.fashion_mnist.idx import read_idx
+from app.fashion_mnist.model import ImageClassifier, load_network
+from app.fashion_mnist.networks import build_resnet
 from app.plot import epoch_metrics
 from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli

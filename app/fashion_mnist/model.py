@@ -22,8 +22,8 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from app.checkpoint_io import check_weights_fit, load_checkpoint
 from app.errors import UserError
+from app.fashion_mnist.networks import Arch, Norm, build_resnet
 from app.lightning_internals import step_values_read
-from app.networks import Arch, Norm, build_resnet
 from app.strategies.dp import DataParallelStrategy
 from app.task import TaskSpec
 
@@ -175,8 +175,10 @@ class ImageClassifier(LightningModule):
             # Not prog_bar=True: Lightning turns progress-bar values into Python floats after every batch, a wait
             # for the GPU each step. Logged only at the steps where something reads it (each self.log is about
             # 0.3 ms of host time in Lightning, the largest part of a step's overhead at small batches).
-            if step_values_read(self.trainer, batch_idx):
+            if self._step_value_read(self.trainer, batch_idx):
                 self.log("train/loss", loss, on_step=True, on_epoch=False, batch_size=target.numel())
+
+    _step_value_read = staticmethod(step_values_read)  # whether a value logged at this step is read (Lightning's loop)
 
     def _log_epoch(self, stage: str) -> None:
         # The metric objects are logged once per epoch, not per batch: each self.log of a Metric moves it "to the

@@ -1,13 +1,14 @@
 """Fashion-MNIST's files on disk: which source is used, how its IDX files get there, and reading a split back.
 
-Kept apart from the data module (:mod:`app.data`) because none of this needs Lightning: it is folders, downloads,
-checksums and file validation, each failure a :class:`~app.idx.DataFileError` that names the file and the fix.
+Kept apart from the data module (:mod:`app.fashion_mnist.data`) because none of this needs Lightning: it is folders,
+downloads, checksums and file validation, each failure a :class:`~app.fashion_mnist.idx.DataFileError` that names the
+file and the fix.
 
 Sources (``--data.source``):
 
 - ``fashion_mnist``: the real files in ``<data_dir>/FashionMNIST/raw/`` (torchvision's layout), downloaded by
   torchvision when missing; the ``.gz`` files are checked against torchvision's known MD5 sums.
-- ``synthetic``: a deterministic stand-in (:mod:`app.synthetic`) written as the same IDX files to
+- ``synthetic``: a deterministic stand-in (:mod:`app.fashion_mnist.synthetic`) written as the same IDX files to
   ``<data_dir>/FashionMNIST-synthetic/raw/`` and read back by the same code.
 - ``auto`` (default): real files if present, else try to download them, else the synthetic stand-in with a
   loud warning.
@@ -28,9 +29,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchvision.datasets import FashionMNIST
 from torchvision.datasets.utils import check_integrity
 
-from app import synthetic
 from app.errors import TemplateWarning
-from app.idx import DataFileError, atomic_write_bytes, read_idx, write_idx
+from app.fashion_mnist import synthetic
+from app.fashion_mnist.idx import DataFileError, atomic_write_bytes, read_idx, write_idx
 
 Source = Literal["auto", "fashion_mnist", "synthetic"]
 
@@ -41,7 +42,7 @@ SPLITS = {  # split -> (images file, labels file, number of samples)
 }
 KNOWN_MD5 = dict(FashionMNIST.resources)  # {"train-images-idx3-ubyte.gz": "8d4f...", ...}
 SYNTHETIC_SEED = 0
-SYNTHETIC_STAMP = "GENERATOR"  # beside the synthetic files: which app.synthetic version wrote them
+SYNTHETIC_STAMP = "GENERATOR"  # beside the synthetic files: which app.fashion_mnist.synthetic version wrote them
 
 
 def download(data_dir: Path) -> None:
@@ -121,13 +122,14 @@ class FashionMNISTFiles:
         split from other classes.
         """
         stamp = self.synthetic_dir / SYNTHETIC_STAMP
-        expected = f"app.synthetic version {synthetic.VERSION}, seed {SYNTHETIC_SEED}\n"
+        expected = f"app.fashion_mnist.synthetic version {synthetic.VERSION}, seed {SYNTHETIC_SEED}\n"
         files = [self.synthetic_dir / name for images, labels, _ in SPLITS.values() for name in (images, labels)]
         if stamp.is_file() and stamp.read_text() == expected and all(f.exists() for f in files):
             return
         if any(f.exists() for f in files):
             rank_zero_info(
-                f"{self.synthetic_dir}: synthetic files from an older version of app/synthetic.py; writing them again"
+                f"{self.synthetic_dir}: synthetic files from an older version of app/fashion_mnist/synthetic.py; "
+                "writing them again"
             )
         try:
             for images_file, labels_file, count in SPLITS.values():

@@ -5,7 +5,8 @@
 The file is a dict of plain data (it loads with ``torch.load(path, weights_only=True)``):
 
 - ``state_dict``: the network's weights with torchvision's names (no ``net.``/``module.`` prefixes);
-- ``network``: the arguments of :func:`app.networks.build_resnet` that rebuild it (arch, num_classes, norm);
+- ``network``: the arguments of :func:`app.fashion_mnist.networks.build_resnet` that rebuild it (arch, num_classes,
+  norm);
 - ``classes``, ``normalize`` (mean, std) and ``input`` (``[1, 28, 28]``): how to feed it and read its output;
 - where it came from: ``trained_on`` (the data source the run resolved: ``fashion_mnist`` or ``synthetic``),
   ``metrics`` (the checkpoint's monitored score, e.g. ``val/acc``, and the run's best), ``epoch``,
@@ -14,7 +15,7 @@ The file is a dict of plain data (it loads with ``torch.load(path, weights_only=
 
 To use it::
 
-    from app.export import load_exported
+    from app.fashion_mnist.export import load_exported
     net = load_exported("model.pt")            # eval mode
     probs = net((images / 255 - 0.2860) / 0.3530).softmax(1)
 """
@@ -31,10 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.data import CLASSES, MEAN, STD
 from app.errors import UserError
-from app.model import check_weights_fit, load_checkpoint, network_state_dict, saved_network
-from app.networks import build_resnet
+from app.fashion_mnist.data import CLASSES, MEAN, STD
+from app.fashion_mnist.model import check_weights_fit, load_checkpoint, network_state_dict, saved_network
+from app.fashion_mnist.networks import build_resnet
 
 FORMAT = "fashion-resnet-export/1"
 

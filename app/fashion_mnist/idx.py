@@ -4,7 +4,7 @@ An IDX file is a 4-byte magic number ``0x00 0x00 <dtype> <ndim>``, then ``ndim``
 the data in C order. Fashion-MNIST uses dtype 0x08 (unsigned byte): images are ``(N, 28, 28)`` (magic 0x803),
 labels ``(N,)`` (magic 0x801). Files may be gzip-compressed (``.gz``), as they are distributed.
 
-MD5 sums are torchvision's (``torchvision.datasets.utils.check_integrity``, used by :mod:`app.datafiles`).
+MD5 sums are torchvision's (``torchvision.datasets.utils.check_integrity``, used by :mod:`app.fashion_mnist.datafiles`).
 torchvision has no IDX writer, hence :func:`write_idx` for the synthetic stand-in.
 """
 

@@ -1,7 +1,7 @@
 """Users' own images for ``predict`` (``--data.predict_dir``): a folder of PNG/JPEG files as Fashion-MNIST samples.
 
-Kept apart from the Fashion-MNIST files (:mod:`app.datafiles`): these are arbitrary photos, not IDX files, so
-they are decoded, made grayscale, resized to 28x28 and, where needed, inverted to Fashion-MNIST's polarity.
+Kept apart from the Fashion-MNIST files (:mod:`app.fashion_mnist.datafiles`): these are arbitrary photos, not IDX
+files, so they are decoded, made grayscale, resized to 28x28 and, where needed, inverted to Fashion-MNIST's polarity.
 """
 
 from __future__ import annotations

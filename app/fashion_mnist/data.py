@@ -1,9 +1,9 @@
 """Fashion-MNIST as a LightningDataModule: uint8 tensors in memory, one indexing op per batch, work on the device.
 
-This module is what Lightning and the CLI see (``class_path: app.data.FashionMNISTDataModule``): the datasets,
-the train/val split, the loaders and the on-device transforms. The files behind them (``--data.source``, download,
-MD5 checks, the synthetic stand-in) are :mod:`app.datafiles`; users' own images for ``predict`` are
-:mod:`app.image_folder`. The resolved source is stored in the hyperparameters as ``resolved_source``.
+This module is what Lightning and the CLI see (``app.fashion_mnist.data.FashionMNISTDataModule``): the datasets, the
+train/val split, the loaders and the on-device transforms. The files behind them (``--data.source``, download,
+MD5 checks, the synthetic stand-in) are :mod:`app.fashion_mnist.datafiles`; users' own images for ``predict`` are
+:mod:`app.fashion_mnist.image_folder`. The resolved source is stored in the hyperparameters as ``resolved_source``.
 
 Batches leave the loader as ``(uint8 images [B, 28, 28], int64 labels [B])``; conversion to float,
 normalisation and augmentation happen on the training device in :meth:`on_after_batch_transfer`.
@@ -18,13 +18,13 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
-from app.augment import normalize, random_crop_flip
-from app.datafiles import CLASSES, SPLITS, FashionMNISTFiles, Source, download
 from app.errors import UserError
-from app.image_folder import Invert, load_image_folder
+from app.fashion_mnist.augment import normalize, random_crop_flip
+from app.fashion_mnist.datafiles import CLASSES, SPLITS, FashionMNISTFiles, Source, download
+from app.fashion_mnist.image_folder import Invert, load_image_folder
 from app.loader import ResumableLoader, make_loader
 
-# CLASSES and SPLITS are defined in app.datafiles; app.export and the prediction writer import CLASSES from here.
+# CLASSES and SPLITS are defined in app.fashion_mnist.datafiles; app.fashion_mnist.export imports CLASSES from here.
 __all__ = ["CLASSES", "MEAN", "SPLITS", "STD", "FashionMNISTDataModule", "TensorImageDataset", "keep_batch"]
 
 MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training-set pixel statistics, on the [0, 1] scale
@@ -70,7 +70,7 @@ class FashionMNISTDataModule(LightningDataModule):
         """
         Args:
             data_dir: Folder holding ``FashionMNIST/raw/`` (real) and ``FashionMNIST-synthetic/raw/`` files.
-            source: ``auto``, ``fashion_mnist`` or ``synthetic`` (see the docstring of app/datafiles.py).
+            source: ``auto``, ``fashion_mnist`` or ``synthetic`` (see the docstring of app/fashion_mnist/datafiles.py).
             batch_size: Samples per device and step, for every strategy. The global batch is
                 batch_size x devices x nodes (x accumulate_grad_batches per optimizer step); ``dp`` loads
                 batch_size x devices per step and splits it across its devices.
@@ -101,7 +101,7 @@ class FashionMNISTDataModule(LightningDataModule):
         self._loaded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.predict_names: list[str] = []  # what each predicted sample is: a file name, or "test[i]"
 
-    # ------------------------------------------------------------------ files (app.datafiles)
+    # ------------------------------------------------------------------ files (app.fashion_mnist.datafiles)
     @property
     def files(self) -> FashionMNISTFiles:
         return FashionMNISTFiles(self.data_dir, self.hparams.source)
