@@ -315,7 +315,8 @@ class CLI(LightningCLI):
         try:
             super().__init__(*args, **kwargs)
         except BaseException as err:
-            release_if_unused(self._claimed)  # a run that failed before doing anything leaves no folder
+            if getattr(getattr(self, "trainer", None), "global_step", 0) == 0:
+                release_if_unused(self._claimed)  # a run that failed before doing anything leaves no folder
             if self._seed_line is not None:
                 self._seed_line.drop()
             latest = UserError.latest
@@ -532,7 +533,10 @@ class CLI(LightningCLI):
         unknown = sorted(set(saved) - set(known)) if known is not None else []
         if (writer and writer != class_path) or unknown:
             wrote = f"written by {writer}" if writer else f"unknown hyperparameters {unknown}"
-            fix = f"pass --model={writer}" if writer else "pass --model=THE.CLASS.THAT.WROTE.IT"
+            fix = f"pass --model={writer}" if writer else "pass the --model class it was trained with"
+            data_writer = checkpoint.get("datamodule_hyper_parameters", {}).get("_class_path")
+            if writer and data_writer:
+                fix += f" --data={data_writer}"
             raise UserError(f"{ckpt_path}: not a checkpoint of {class_path} ({wrote}); {fix}, or another --ckpt_path")
         network = spec_of(model_class).network
         explicit = self._explicit_model_settings(subcommand)
@@ -550,7 +554,9 @@ class CLI(LightningCLI):
                 init_args = {**saved["optimizer"].get("init_args", {}), **self._optimizer_overrides}
                 taken["optimizer"] = {**saved["optimizer"], "init_args": init_args}
         notes = [
-            f"--model.{k}={explicit[k]}" for k in sorted(explicit) if k not in (*network, "optimizer") and k in saved
+            f"--model.{k}={explicit[k]}"
+            for k in sorted(explicit)
+            if k not in (*network, "optimizer") and k in saved and explicit[k] != saved[k]
         ]
         notes += [f"--model.optimizer.{k}={v}" for k, v in self._optimizer_overrides.items()]
         if notes:
@@ -857,13 +863,15 @@ def says_errors() -> bool:
 TOOLS = {"plot": "app.plot", "export": "app.fashion_mnist.export"}
 
 
-def names_class(argv: list[str], group: str) -> bool:
-    """Whether the command line or one of its ``--config`` files names the ``group``'s class (``--model=pkg.Class``,
-    ``--model.class_path``, a YAML ``model: {class_path: ...}``)."""
-    flag = f"--{group}"
+def named_classes(argv: list[str], group: str) -> list[str]:
+    """The class paths (or names) that the command line or its ``--config`` files give the ``group`` (``--model=
+    pkg.Class``, ``--model.class_path``, a YAML ``model: {class_path: ...}``); ``"?"`` for one inside inline YAML."""
+    flag, found = f"--{group}", []
     for i, arg in enumerate(argv):
-        if arg == f"{flag}.class_path" or arg.startswith(f"{flag}.class_path="):
-            return True
+        if arg.startswith(f"{flag}.class_path="):
+            found.append(arg.split("=", 1)[1])
+        elif arg == f"{flag}.class_path" and i + 1 < len(argv):
+            found.append(argv[i + 1])
         value = arg[len(flag) + 1 :] if arg.startswith(f"{flag}=") else None
         if arg == flag and i + 1 < len(argv):
             value = argv[i + 1]
@@ -873,12 +881,55 @@ def names_class(argv: list[str], group: str) -> bool:
             try:
                 data = yaml.safe_load(Path(value).read_text())
             except yaml.YAMLError:
-                return False  # jsonargparse names the file
-            if isinstance(data, dict) and "class_path" in data:
-                return True
-        elif re.fullmatch(r"[A-Za-z_][\w.]*", value) or "class_path" in value:  # a class (path), inline YAML
-            return True
-    return any(has_key(data, f"{group}.class_path") for data in Parser.config_files.values())
+                continue  # jsonargparse names the file
+            if isinstance(data, dict) and isinstance(data.get("class_path"), str):
+                found.append(data["class_path"])
+        elif re.fullmatch(r"[A-Za-z_][\w.]*", value):  # a class path or a class name
+            found.append(value)
+        elif "class_path" in value:  # inline YAML or JSON
+            found.append("?")
+    for data in Parser.config_files.values():
+        for holder in [data] + [data.get(sub) for sub in LightningCLI.subcommands() if isinstance(data, dict)]:
+            path = holder.get(group, {}).get("class_path") if isinstance(holder, dict) else None
+            if isinstance(holder, dict) and isinstance(holder.get(group), dict) and isinstance(path, str):
+                found.append(path)
+    return found
+
+
+def names_class(argv: list[str], group: str) -> bool:
+    """Whether the command line or one of its ``--config`` files names the ``group``'s class."""
+    return bool(named_classes(argv, group))
+
+
+def check_class_imports(argv: list[str]) -> None:
+    """A named class whose module cannot be imported: one line saying why and where, instead of jsonargparse's
+    "either not accessible or invalid" (a user's own module with a bug, a missing package, a typo in the module)."""
+    for group in ("model", "data"):
+        for class_path in named_classes(argv, group):
+            module, _, name = class_path.rpartition(".")
+            if not module:
+                continue  # a bare class name, or inline YAML: jsonargparse resolves it
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as err:
+                if err.name and (module == err.name or module.startswith(err.name + ".")):
+                    raise UserError(
+                        f"--{group}={class_path}: no module named {err.name!r}; check the name, and that the folder "
+                        "holding it is on PYTHONPATH (or installed)"
+                    ) from None
+                raise UserError(f"--{group}={class_path}: importing {module} failed: {_where(err)}") from None
+            except Exception as err:  # noqa: BLE001 - the user's own module: say what and where
+                raise UserError(f"--{group}={class_path}: importing {module} failed: {_where(err)}") from None
+
+
+def _where(err: BaseException) -> str:
+    """``ZeroDivisionError: division by zero (at /path/mod.py:12)``: the exception and its innermost frame."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    user = [f for f in frames if "importlib" not in f.filename and "<frozen" not in f.filename]
+    at = f" (at {user[-1].filename}:{user[-1].lineno})" if user else ""
+    return f"{type(err).__name__}: {err}{at}"
 
 
 def task_classes(argv: list[str], model: str | type, data: str | type) -> dict:
@@ -904,6 +955,7 @@ def main(
     argv = sys.argv[1:] if args is None else list(args)
     try:
         check_config_files(argv)
+        check_class_imports(argv)
         if argv and argv[0] in TOOLS:
             importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
             return None

@@ -1,11 +1,13 @@
 """What ``cli.py`` adds to every run, for runs built in Python with ``lightning.Trainer``::
 
-    from lightning.pytorch import Trainer
+    from lightning.pytorch import Trainer, seed_everything
     from app.defaults import last_checkpoint, trainer_defaults
 
-    model, data = MyModel(), MyData()
-    trainer = Trainer(**trainer_defaults(model, "runs"), strategy="ddp", devices=2, max_epochs=3)
-    trainer.fit(model, data, ckpt_path=last_checkpoint("runs"))  # None the first time: starts fresh
+    if __name__ == "__main__":  # ddp_spawn and the horovod self-launch import this script in new processes
+        seed_everything(42)
+        model, data = MyModel(), MyData()
+        trainer = Trainer(**trainer_defaults(model, "runs"), strategy="ddp", devices=2, max_epochs=3)
+        trainer.fit(model, data, ckpt_path=last_checkpoint("runs"))  # None the first time: starts fresh
 
 ``trainer_defaults`` gives the default callbacks (the same list ``cli.py`` builds from the model's ``spec``: the
 checkpoint ranked by its monitored metric plus ``last.ckpt``, Preemption, Elastic, the run report, ...), the

@@ -40,7 +40,7 @@ def test_a_diverging_run_stops_and_keeps_the_good_checkpoints(tmp_path, data_dir
     bad = fit(cwd, root, data_dir, "--trainer.max_epochs=3", "--model.optimizer.lr=1e6")
     assert bad.returncode == 1, bad.stderr[-3000:]
     last_line = bad.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("error: training diverged: train/loss became nan by step"), last_line
+    assert last_line.startswith("error: training diverged: the training loss became nan by step"), last_line
     assert "--model.optimizer.lr" in last_line and "Traceback" not in bad.stderr
     assert bad.stderr.count("error:") == 1
     after = checkpoints(root)
@@ -48,6 +48,8 @@ def test_a_diverging_run_stops_and_keeps_the_good_checkpoints(tmp_path, data_dir
         assert after[path] == data  # the good checkpoints are untouched
     for path in after:
         assert_finite(path)  # and nothing non-finite was added
+    # the diverged run trained steps: its folder (config, metrics) stays, whatever it logged
+    assert (root / "lightning_logs" / "version_1" / "config.yaml").is_file()
 
 
 @pytest.mark.slow

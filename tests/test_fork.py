@@ -134,6 +134,25 @@ def test_plot_draws_another_tasks_per_epoch_metrics(tmp_path):
     assert panels(series) == [("metrics", ("val_mse",)), ("images/s (training)", ("perf/images_per_s",))]
 
 
+def test_a_named_class_that_cannot_be_imported_is_one_line_saying_where(tmp_path, monkeypatch, capsys):
+    from app.cli import main
+
+    (tmp_path / "buggy.py").write_text("import torch\n\nrate = 1 / 0\n")
+    (tmp_path / "needs.py").write_text("import not_installed_dep\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    expected = {
+        "buggy.Net": f"importing buggy failed: ZeroDivisionError: division by zero (at {tmp_path / 'buggy.py'}:3)",
+        "needs.Net": "importing needs failed: ModuleNotFoundError: No module named 'not_installed_dep'",
+        "nopkg.Net": "no module named 'nopkg'; check the name, and that the folder holding it is on PYTHONPATH",
+    }
+    for class_path, message in expected.items():
+        with pytest.raises(SystemExit) as exit_info:
+            main(["fit", f"--model={class_path}", f"--trainer.default_root_dir={tmp_path}"])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --model={class_path}: {message}"), err
+
+
 def test_which_command_lines_name_a_class(tmp_path):
     assert names_class(["fit", "--model=mypkg.Net"], "model")
     assert names_class(["fit", "--model", "Net"], "model")
@@ -266,7 +285,7 @@ def test_a_users_own_package_trains_resumes_predicts_and_keeps_its_folder(tmp_pa
     assert wrong.returncode == 2
     assert wrong.stderr.strip().splitlines() == [
         f"error: {v1 / 'checkpoints' / 'last.ckpt'}: not a checkpoint of app.fashion_mnist.model.ImageClassifier "
-        "(written by userpkg.TinyCNN); pass --model=userpkg.TinyCNN, or another --ckpt_path"
+        "(written by userpkg.TinyCNN); pass --model=userpkg.TinyCNN --data=userpkg.Blobs, or another --ckpt_path"
     ]
 
 

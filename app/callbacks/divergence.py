@@ -28,6 +28,8 @@ from app.callbacks.preemption import wait_for_local_ranks
 from app.lightning_internals import take_over_local_ranks
 from app.task import spec_of
 
+LOSS = "the training loss"  # what training_step returned, whatever the task logs it as
+
 
 class Diverged(SystemExit):
     """Raised on every rank when the loss stopped being finite; exits the process with code 1.
@@ -94,7 +96,7 @@ class StopOnNonFinite(Callback):
         bad = trainer.strategy.reduce_boolean_decision(bool(self._bad), all=False)  # the one read of the device
         if bad:
             self._local_ranks = take_over_local_ranks(trainer)  # before any rank can exit non-zero
-            raise Diverged(self._message(trainer, "train/loss", float(self._first_bad)), trainer.global_rank)
+            raise Diverged(self._message(trainer, LOSS, float(self._first_bad)), trainer.global_rank)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if isinstance(exception, Diverged):
@@ -104,7 +106,7 @@ class StopOnNonFinite(Callback):
     def _message(trainer: Trainer, what: str, value: float) -> str:
         lrs = sorted({group["lr"] for opt in trainer.optimizers for group in opt.param_groups})
         lr = ", ".join(f"{x:g}" for x in lrs) or "?"
-        shown = f" became {value}" if what == "train/loss" and not math.isfinite(value) else ""
+        shown = f" became {value}" if what == LOSS and not math.isfinite(value) else ""
         return (
             f"training diverged: {what}{shown} by step {trainer.global_step} (epoch {trainer.current_epoch}); "
             "the run stops without writing these weights (checkpoints already on disk hold finite ones). "
