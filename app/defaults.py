@@ -1,4 +1,5 @@
-"""What ``cli.py`` adds to every run, for runs built in Python with ``lightning.Trainer``::
+"""What ``cli.py`` adds to every run: the default callbacks (chosen from the task's ``spec``) and loggers. The same for
+runs built in Python with ``lightning.Trainer``::
 
     from lightning.pytorch import Trainer, seed_everything
     from app.defaults import last_checkpoint, trainer_defaults
@@ -18,6 +19,8 @@ bad input, the ``--ckpt_path`` rule (a checkpoint's network settings win), and l
 
 from __future__ import annotations
 
+import difflib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +29,12 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from app.callbacks import RankWatchdog
 from app.checkpoint_io import SafeCheckpointIO
+from app.errors import UserError
+from app.resume import newest_last_ckpt
 from app.run_dir import claim_versions
-from app.task import spec_of
+from app.task import DEFAULT_SPEC, TaskSpec, import_class, spec_of
 
-__all__ = ["last_checkpoint", "trainer_defaults"]
+__all__ = ["default_callbacks", "default_loggers", "last_checkpoint", "trainer_defaults"]
 
 
 def trainer_defaults(
@@ -52,8 +57,6 @@ def trainer_defaults(
         logger: False: no loggers and no run folder (checkpoints go into ``ROOT/checkpoints``).
         watchdog_timeout: ``--watchdog.timeout``: seconds without a sign of life before a rank counts as lost.
     """
-    from app.cli import default_callbacks, default_loggers  # the CLI's own lists, built the same way
-
     own = list(callbacks or [])
     settings = {"logger": logger or None}
     built = default_callbacks(settings, own, list(drop_callbacks), spec_of(model))
@@ -79,8 +82,84 @@ def trainer_defaults(
 
 def last_checkpoint(default_root_dir: str | Path = ".") -> str | None:
     """The newest ``last.ckpt`` under the root (``cli.py``'s ``--ckpt_path last``), or None when there is none."""
-    from app.cli import newest_last_ckpt
-
     root = Path(default_root_dir)
     found = newest_last_ckpt(root / "lightning_logs", root)
     return None if found is None else str(found)
+
+
+# Added to every fit/validate/test/predict, beside the run's own callbacks (a YAML ``trainer.callbacks:`` list or
+# ``--trainer.callbacks+=``), unless the run gives a callback of the same kind (its own ModelCheckpoint, progress
+# bar, ...), turns the feature off (``--trainer.logger=false``, ``--trainer.enable_checkpointing=false``,
+# ``enable_progress_bar``, ``enable_model_summary``), or names it in ``--drop_callbacks``.
+DEFAULT_CALLBACKS = [
+    {"class_path": "app.callbacks.ProgressBar"},
+    {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
+    {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"},
+    {"class_path": "app.callbacks.ModelCheckpoint"},  # its settings come from the task's spec: checkpoint_options
+    {"class_path": "app.callbacks.RunReport"},
+    {"class_path": "app.callbacks.PredictionWriter"},
+    {"class_path": "app.callbacks.Preemption"},
+    {"class_path": "app.callbacks.Elastic"},
+    {"class_path": "app.callbacks.StopOnNonFinite"},
+]
+
+
+# A run's own callback that is an instance of the kind replaces the default.
+_KIND = {
+    "ProgressBar": "lightning.pytorch.callbacks.ProgressBar",
+    "RichModelSummary": "lightning.pytorch.callbacks.ModelSummary",
+    "LearningRateMonitor": "lightning.pytorch.callbacks.LearningRateMonitor",
+    "ModelCheckpoint": "lightning.pytorch.callbacks.ModelCheckpoint",
+    "PredictionWriter": "lightning.pytorch.callbacks.BasePredictionWriter",
+}
+
+
+DEFAULT_CALLBACK_NAMES = [c["class_path"].rsplit(".", 1)[-1] for c in DEFAULT_CALLBACKS]
+
+
+def checkpoint_options(spec: TaskSpec) -> dict:
+    """The default ModelCheckpoint's settings for a task: the best by its monitored metric (``epoch=3-val_acc=0.9123
+    .ckpt``), or without one the newest epoch's; ``last.ckpt`` always."""
+    options = {"save_last": True, "auto_insert_metric_name": False}
+    if spec.monitor is None:
+        return {**options, "filename": "epoch={epoch}-step={step}"}
+    safe = re.sub(r"[^\w.-]", "_", spec.monitor)  # val/acc -> val_acc: no folder in the file name
+    filename = f"epoch={{epoch}}-{safe}={{{spec.monitor}:.4f}}"
+    return {**options, "monitor": spec.monitor, "mode": spec.mode, "filename": filename}
+
+
+def default_callbacks(trainer_config: dict, own: list, drop: list[str], spec: TaskSpec = DEFAULT_SPEC) -> list:
+    """The default callbacks (built) that a run with these trainer settings and own callbacks gets."""
+    for name in drop:
+        if name not in DEFAULT_CALLBACK_NAMES:
+            close = difflib.get_close_matches(name, DEFAULT_CALLBACK_NAMES, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            names = ", ".join(DEFAULT_CALLBACK_NAMES)
+            raise UserError(f"--drop_callbacks: {name!r} is not a default callback{hint}; they are {names}")
+    logger = trainer_config.get("logger")
+    switched_off = {
+        "ProgressBar": trainer_config.get("enable_progress_bar") is False,
+        "RichModelSummary": trainer_config.get("enable_model_summary") is False,
+        "LearningRateMonitor": logger is False or logger is None or logger == [],
+        "ModelCheckpoint": trainer_config.get("enable_checkpointing") is False,
+    }
+    built = []
+    for entry, name in zip(DEFAULT_CALLBACKS, DEFAULT_CALLBACK_NAMES, strict=True):
+        kind = import_class(_KIND.get(name, entry["class_path"]))
+        if name in drop or switched_off.get(name) or any(isinstance(c, kind) for c in own):
+            continue
+        options = checkpoint_options(spec) if name == "ModelCheckpoint" else entry.get("init_args", {})
+        built.append(import_class(entry["class_path"])(**options))
+    return built
+
+
+def default_loggers(save_dir: str = ".") -> list[dict]:
+    """CSV always (metrics.csv); TensorBoard too when it is installed. Both write to lightning_logs/version_N."""
+    csv = {"save_dir": save_dir, "name": "lightning_logs"}
+    loggers = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": csv}]
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        return loggers
+    tb = {"save_dir": save_dir, "name": "lightning_logs", "default_hp_metric": False}
+    return loggers + [{"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": tb}]

@@ -197,3 +197,37 @@ def keep_metrics_for_restart(folder: Path) -> None:
     metrics = folder / "metrics.csv"
     if metrics.is_file():
         os.replace(metrics, folder / METRICS_BEFORE_RESTART)
+
+
+def continue_run_folder(loggers: list, job: TorchrunJob) -> tuple[dict[Path, int], str | None, str | None]:
+    """A restart by torchrun goes on in the run folder of the job's first start, from its last.ckpt if any.
+
+    Returns the logger roots with the version they go on writing, the ``last.ckpt`` to resume from (None: start
+    fresh) and the name this start's config file gets beside the first start's ``config.yaml``. Exits 0 with one
+    line when the job's run had already finished (a worker failed after training, e.g. at exit)."""
+    from app.run_dir import folder_logger_root, is_first_process
+
+    continued: dict[Path, int] = {}
+    ckpt, config_name = None, None
+    for logger in loggers:
+        root = folder_logger_root(logger)
+        version = None if root is None else run_of(root, job)
+        if version is None and root is not None:
+            done = finished_run_of(root, job, agent_id())
+            if done is not None:
+                rank_zero_info(
+                    f"torchrun restarted the job after its run finished ({root}/version_{done}, marked finished; "
+                    "a worker failed after training, e.g. at exit): nothing left to train"
+                )
+                raise SystemExit(0)
+        if version is None or root in continued:
+            continue
+        continued[root] = version
+        config_name = f"config.restart{job.restart_count}.yaml" if job.restart_count else "config.rejoined.yaml"
+        folder = root / f"version_{version}"
+        if is_first_process():
+            keep_metrics_for_restart(folder)
+        last = folder / "checkpoints" / "last.ckpt"
+        if last.is_file() and ckpt is None:
+            ckpt = str(last.resolve())
+    return continued, ckpt, config_name

@@ -15,7 +15,7 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    checkpoint; its own saving code, with its own conditions, refreshes ``last.ckpt`` at every save point.
 4. :func:`drop_layer_sync` — ``Trainer(sync_batchnorm=True)`` makes the ddp strategies convert BatchNorm layers
    to ``torch.nn.SyncBatchNorm`` in their set-up, which fails on CPU; the SyncBatchNorm callback converts instead.
-5. ``CLI._parse_ckpt_path`` (:mod:`app.cli`) — ``LightningCLI``'s step that reads the checkpoint's
+5. ``CkptPathRule._parse_ckpt_path`` (:mod:`app.resume`) — ``LightningCLI``'s step that reads the checkpoint's
    hyperparameters into the config; overridden to apply the template's ``--ckpt_path`` rule.
 6. :func:`take_over_local_ranks` — the ``ddp`` launcher's child-process observer SIGKILLs rank 0 as soon as a
    child rank exits with a non-zero code, which after a preemption (143) or a divergence stop is the planned exit;

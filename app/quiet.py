@@ -56,3 +56,29 @@ def install() -> None:
     rank_zero.addFilter(_DropMessage("💡 Tip: For seamless cloud"))
     # The template's default RichModelSummary is there on purpose; Lightning notes that it adds no second one.
     rank_zero.addFilter(_DropMessage("Trainer already configured with model summary callbacks"))
+
+
+class HeldRecords(logging.Filter):
+    """Holds a logger's records back until :meth:`release`; :meth:`drop` discards them.
+
+    Lightning seeds (and logs "Seed set to 42") before it builds the model and the data module, which check their
+    arguments: an error there would follow the seed line. The line waits until the classes are built."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.logger, self.records = logging.getLogger(name), []
+        self.logger.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+    def drop(self) -> None:
+        self.logger.removeFilter(self)
+        self.records.clear()
+
+    def release(self) -> None:
+        self.logger.removeFilter(self)
+        for record in self.records:
+            self.logger.handle(record)
+        self.records.clear()

@@ -15,6 +15,7 @@ The contract, the steps of a fork and what each promise needs of a data module: 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -44,6 +45,12 @@ class TaskSpec:
 
 
 DEFAULT_SPEC = TaskSpec()
+
+
+def import_class(class_path: str) -> type:
+    """The class a dotted path names (``app.callbacks.RunReport``)."""
+    module, name = class_path.rsplit(".", 1)
+    return getattr(importlib.import_module(module), name)
 
 
 def spec_of(module: Any) -> TaskSpec:

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from app.callbacks.prediction_writer import batch_labels, prediction_columns
-from app.cli import checkpoint_options, names_class
+from app.checks import names_class
+from app.defaults import checkpoint_options
 from app.run_dir import release_if_unused
 from app.task import TaskSpec, batch_samples, count_samples, spec_of
 from tests.conftest import ROOT

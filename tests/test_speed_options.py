@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from app.callbacks import ProgressBar
-from app.cli import DEFAULT_CALLBACKS
+from app.defaults import DEFAULT_CALLBACKS
 from app.errors import UserError
 from app.fashion_mnist.data import FashionMNISTDataModule
 from app.fashion_mnist.model import ImageClassifier

@@ -1,0 +1,228 @@
+"""The command line's own parsing: one-line errors instead of jsonargparse's usage and union walls (the closest flag,
+the choices, the file that holds a mistyped key), --config files checked as YAML, and a strategy's options
+accepted after its short name."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import os
+import re
+import sys
+from pathlib import Path
+
+import yaml
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from app.errors import UserError
+from app.strategies.launch import launcher_ranks
+from app.task import import_class
+
+CKPT_PATH_HELP = (
+    "Checkpoint to start from: a file (lightning_logs/version_N/checkpoints/last.ckpt, or epoch=E-val_acc=A.ckpt "
+    "there), 'last' (the newest run's last.ckpt; fit starts fresh when there is none) or 'best' (the best checkpoint "
+    "of the newest run). Its network settings (--model.arch, norm, num_classes) are used."
+)
+
+
+def nested_option_error(line: str) -> str | None:
+    """jsonargparse's union error for an option of a class given by name or class path (``--trainer.strategy.op``,
+    ``--trainer.callbacks.hook``), as one sentence: the flag, what is wrong, and the choices or the closest option."""
+    group = re.search(r'Parser key "([\w.]+)": Does not validate against any of the Union subtypes', line)
+    given = re.search(r"NestedArg\(key='([\w.]+)', val='([^']*)'\)", line)
+    if not (group and given):
+        return None
+    key, value = given.groups()
+    flag = f"--{group.group(1)}.{key}={value}"
+    problem = re.search(
+        rf"Problem with given class_path '([\w.]+)': (?:Parser key \"{re.escape(key)}\": (.*?)(?= - |$)|"
+        rf"(Option '{re.escape(key)}' is not accepted))",
+        line,
+    )
+    if problem is None:
+        return None
+    class_path, wrong_value, unknown = problem.groups()
+    name = class_path.rsplit(".", 1)[1]
+    if unknown:
+        parameters = inspect.signature(import_class(class_path).__init__).parameters
+        options = [p for p in parameters if p not in ("self", "args")]
+        close = difflib.get_close_matches(key, options, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return f"{flag}: {name} has no option {key!r}{hint}; its options: {', '.join(options)}"
+    choices = re.search(r"Expected a typing\.Literal\[(.*?)\]", wrong_value)
+    if choices:
+        return f"{flag}: must be one of {', '.join(c.strip().strip(chr(39)) for c in choices.group(1).split(','))}"
+    return f"{flag}: {wrong_value.split(' Given value type:')[0].strip()}"
+
+
+PLAIN_TYPES = {"<class 'int'>": "a whole number", "<class 'float'>": "a number", "<class 'bool'>": "true or false"}
+
+
+def plain_types(types: list[str]) -> str:
+    """``["<class 'int'>", "<class 'float'>"]`` -> "a number" (a whole number is a number too)."""
+    if "<class 'float'>" in types:
+        types = [t for t in types if t != "<class 'int'>"]
+    return " or ".join(PLAIN_TYPES[t] for t in types)
+
+
+def union_error(line: str) -> str | None:
+    """jsonargparse's union error for a value that fits none of an option's types, as one sentence: the choices
+    when the types are literals (``--trainer.precision``), the closest class when a class path names none."""
+    key = re.search(r'Parser key "([\w.]+)":', line)
+    if key is None:
+        return None
+    flag = f"--{key.group(1)}"
+    missing = re.search(r"Problem with given class_path '([\w.]+)': module '([\w.]+)' has no attribute '(\w+)'", line)
+    if missing:
+        _, module, name = missing.groups()
+        try:
+            names = [n for n, v in vars(importlib.import_module(module)).items() if isinstance(v, type)]
+        except ImportError:
+            names = []
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+        hint = f" (did you mean {module}.{close[0]}?)" if close else ""
+        return f"{flag}: {module} has no class {name!r}{hint}"
+    one = re.search(r"Expected a typing\.Literal\[(.*?)\]\. Got value: (.*?)(?:; see:|$)", line)
+    if one:
+        choices = [c.strip().strip("'") for c in one.group(1).split(",")]
+        return f"{flag}={one.group(2)}: must be one of {', '.join(choices)}"
+    one = re.search(r"Expected a (<class '(?:int|float|bool)'>)\. Got value: (.*?)(?:; see:|$)", line)
+    if one:
+        return f"{flag}={one.group(2)}: expected {plain_types([one.group(1)])}"
+    subtypes = re.search(r"Subtypes: \[(.*?)\] Errors:", line)
+    given = re.search(r"Given value: (.*)$", line)
+    if not (subtypes and given):
+        return None
+    types = re.findall(
+        r"typing\.Literal\[[^\]]*\]|<class '[\w.]+'>|[\w.\[\], ]+?(?=, typing|, <class|$)", subtypes.group(1)
+    )
+    value = given.group(1).split(";")[0].strip()
+    if types and all(t in PLAIN_TYPES or t == "<class 'NoneType'>" for t in types):  # --trainer.max_epochs=abc
+        return f"{flag}={value}: expected {plain_types([t for t in types if t in PLAIN_TYPES])}"
+    if not types or not all(t.startswith("typing.Literal[") or t == "<class 'NoneType'>" for t in types):
+        return None
+    choices: list[str] = []
+    for literal in (t for t in types if t.startswith("typing.Literal[")):
+        for choice in re.findall(r"'([^']*)'|(-?\d+)", literal.removeprefix("typing.Literal[")):
+            text = choice[0] or choice[1]
+            if text not in choices:
+                choices.append(text)
+    return f"{flag}={value}: must be one of {', '.join(choices)}"
+
+
+# An optimizer's arguments, given as --model.lr: they are --model.optimizer.lr.
+OPTIMIZER_ARGS = {"lr", "momentum", "weight_decay", "nesterov", "betas", "eps", "dampening", "amsgrad"}
+
+
+class Parser(LightningArgumentParser):
+    """Parse errors as one line (no 70-line usage), with the closest flag when one was mistyped."""
+
+    config_files: dict[Path, object] = {}  # the --config files of this command line, as read (check_config_files)
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        line = " ".join(message.split())
+        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        unknown = re.findall(r"(--[\w.\-]+)", line) if "nrecognized" in line else []
+        # a key of a YAML config: "... does not accept option 'trainer.max_epoch'"
+        unknown += ["--" + key for key in re.findall(r"does not accept option '([\w.\-]+)'", line)]
+        for flag in unknown:
+            # not a group the flag is inside of (--model for --model.lr); an optimizer's argument is under the optimizer
+            candidates = [f for f in flags if not flag.startswith(f + ".")]
+            close = difflib.get_close_matches(flag, candidates, n=1, cutoff=0.75)
+            if flag.startswith("--model.") and flag.count(".") == 1 and flag[8:] in OPTIMIZER_ARGS:
+                close = [f"--model.optimizer.{flag[8:]}"]
+            if close:
+                line += f" (did you mean {close[0] if flag in line else close[0][2:]}?)"
+                break
+        for flag in unknown:  # a key of a YAML config: which file holds it
+            holder = next((path for path, data in self.config_files.items() if has_key(data, flag[2:])), None)
+            if holder is not None and str(holder) not in line:
+                line = f"{holder}: {line}"
+                break
+        line = nested_option_error(line) or union_error(line) or line
+        prog = parser.prog.replace(" [options]", "")
+        script, _, rest = prog.partition(" ")
+        if Path(sys.argv[0]).name == script:  # the script as the user typed it: from another folder, its path
+            prog = f"{sys.argv[0]} {rest}".strip()
+        raise UserError(f"{line}; see: python {prog} --help")
+
+    def add_method_arguments(self, *args, **kwargs):
+        """The subcommands' arguments (``--ckpt_path`` among them, whose help is ours)."""
+        added = super().add_method_arguments(*args, **kwargs)
+        for action in self._actions:
+            if action.dest == "ckpt_path":
+                action.help = CKPT_PATH_HELP
+        return added
+
+
+def check_config_files(argv: list[str]) -> None:
+    """A ``--config`` file that is not valid YAML: name the file and the line (jsonargparse names neither). The files
+    read are kept for :class:`Parser`'s errors, which name the file of a mistyped key."""
+    paths = [b for a, b in zip(argv, argv[1:], strict=False) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in argv if a.startswith(("--config=", "-c="))]
+    Parser.config_files = {}
+    for path in map(Path, paths):
+        if path.is_file():
+            try:
+                Parser.config_files[path] = yaml.safe_load(path.read_text())
+            except yaml.YAMLError as err:
+                mark = getattr(err, "problem_mark", None)
+                where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
+                problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+                raise UserError(f"{path}: not valid YAML ({where.strip()} {problem}); fix the file") from None
+
+
+def has_key(data: object, dotted: str) -> bool:
+    """Whether the YAML ``data`` holds ``dotted`` (``trainer.max_epoch``), at its top or under a subcommand's key."""
+    if isinstance(data, dict) and any(has_key(data.get(sub), dotted) for sub in LightningCLI.subcommands()):
+        return True
+    for key in dotted.split("."):
+        if not isinstance(data, dict) or key not in data:
+            return False
+        data = data[key]
+    return True
+
+
+def strategy_options_by_name(argv: list[str]) -> list[str]:
+    """``--trainer.strategy=horovod --trainer.strategy.op=adasum`` works: jsonargparse takes a strategy's options
+    only after its class path, so a registered name followed by options is replaced by its class path (and the
+    registry's preset options for that name, which the user's own options then override)."""
+    if not any(a.startswith("--trainer.strategy.") for a in argv):
+        return argv
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        if arg.startswith("--trainer.strategy="):
+            at, name = i, arg.split("=", 1)[1]
+        elif arg == "--trainer.strategy" and i + 1 < len(argv):
+            at, name = i + 1, argv[i + 1]
+        else:
+            continue
+        # the registry's .get() builds the strategy; the entry itself is what is wanted here
+        entry = StrategyRegistry[name] if name in StrategyRegistry else None  # noqa: SIM401
+        presets = entry["init_params"] if entry else {}
+        if entry is None or not all(isinstance(v, str | int | float | bool) for v in presets.values()):
+            continue
+        cls = entry["strategy"]
+        class_path = f"{cls.__module__}.{cls.__qualname__}"
+        out[at] = f"--trainer.strategy={class_path}" if at == i else class_path
+        out[at + 1 : at + 1] = [f"--trainer.strategy.{k}={_yaml_value(v)}" for k, v in presets.items()]
+        return out
+    return argv
+
+
+def _yaml_value(value: str | int | float | bool) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def says_errors() -> bool:
+    """Whether this process prints a bad-input error: the first process of each node. Under ``mpirun`` or
+    ``torchrun`` every rank checks the same command line and files and finds the same error; the others exit 2
+    without printing it again (8 times on an 8-GPU node). A node-specific error still shows, once per node."""
+    ranks = launcher_ranks()
+    return (ranks[2] if ranks is not None else int(os.environ.get("LOCAL_RANK") or 0)) == 0

@@ -1,0 +1,158 @@
+"""Checks made right after parsing, before anything runs: the trainer settings Lightning would take and fail on
+later, and the task's classes a command line names (which LightningCLI mode they need, and whether they import)."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import yaml
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+
+from app.arguments import Parser
+from app.errors import UserError
+from app.strategies.launch import mpi_world_size
+from app.task import import_class
+
+
+def check_strategy_name(strategy) -> None:
+    """An unknown name, or a one-process strategy inside an MPI launch, fails here with every valid name listed."""
+    if not isinstance(strategy, str) or strategy == "auto":
+        return
+    names = sorted(StrategyRegistry.available_strategies())
+    if strategy not in names:
+        close = difflib.get_close_matches(strategy, names, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UserError(f"--trainer.strategy={strategy!r} is not a strategy.{hint} Available: auto, {', '.join(names)}")
+    if strategy in ("dp", "ddp_spawn") and mpi_world_size() > 1:
+        raise UserError(
+            f"--trainer.strategy={strategy} starts its own workers, but this process is one of {mpi_world_size()} MPI "
+            "ranks; under mpirun/horovodrun use --trainer.strategy=horovod (or ddp with one rank per device)"
+        )
+
+
+def trainer_setting_error(err: Exception, trainer_config) -> UserError | None:
+    """Lightning's own complaint about a Trainer setting (it names it in backquotes) as one line naming the flag."""
+    reason = " ".join(str(err).split())
+    settings = inspect.signature(Trainer.__init__).parameters
+    for name in re.findall(r"`(?:Trainer\()?(\w+)", reason):
+        if name in settings:
+            return UserError(f"--trainer.{name}={trainer_config.get(name)}: {reason}")
+    return None
+
+
+def check_trainer_numbers(trainer_config) -> None:
+    """Settings Lightning takes without a check and fails on later with a bare ZeroDivisionError."""
+    accumulate = trainer_config.get("accumulate_grad_batches")
+    if not isinstance(accumulate, int) or accumulate < 1:
+        raise UserError(
+            f"--trainer.accumulate_grad_batches={accumulate}: use a whole number >= 1 (the batches per optimizer step)"
+        )
+
+
+def check_devices(devices) -> None:
+    try:
+        count = int(devices)
+    except (TypeError, ValueError):
+        return  # "auto", a list or "0,1": Lightning checks those
+    if count == 0 or count < -1:
+        raise UserError(
+            f"--trainer.devices={devices}: use a positive count, -1 or auto (all GPUs), or a list like [0,1]"
+        )
+
+
+def init_parameters(cls: type) -> list[str] | None:
+    """The names ``cls(...)`` takes, or None when it takes any (``**kwargs``)."""
+    parameters = inspect.signature(cls.__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return None
+    return [name for name in parameters if name != "self"]
+
+
+def named_classes(argv: list[str], group: str) -> list[str]:
+    """The class paths (or names) that the command line or its ``--config`` files give the ``group`` (``--model=
+    pkg.Class``, ``--model.class_path``, a YAML ``model: {class_path: ...}``); ``"?"`` for one inside inline YAML."""
+    flag, found = f"--{group}", []
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"{flag}.class_path="):
+            found.append(arg.split("=", 1)[1])
+        elif arg == f"{flag}.class_path" and i + 1 < len(argv):
+            found.append(argv[i + 1])
+        value = arg[len(flag) + 1 :] if arg.startswith(f"{flag}=") else None
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        if value is None:
+            continue
+        if Path(value).is_file():  # --model=file.yaml
+            try:
+                data = yaml.safe_load(Path(value).read_text())
+            except yaml.YAMLError:
+                continue  # jsonargparse names the file
+            if isinstance(data, dict) and isinstance(data.get("class_path"), str):
+                found.append(data["class_path"])
+        elif re.fullmatch(r"[A-Za-z_][\w.]*", value):  # a class path or a class name
+            found.append(value)
+        elif "class_path" in value:  # inline YAML or JSON
+            found.append("?")
+    for data in Parser.config_files.values():
+        for holder in [data] + [data.get(sub) for sub in LightningCLI.subcommands() if isinstance(data, dict)]:
+            path = holder.get(group, {}).get("class_path") if isinstance(holder, dict) else None
+            if isinstance(holder, dict) and isinstance(holder.get(group), dict) and isinstance(path, str):
+                found.append(path)
+    return found
+
+
+def names_class(argv: list[str], group: str) -> bool:
+    """Whether the command line or one of its ``--config`` files names the ``group``'s class."""
+    return bool(named_classes(argv, group))
+
+
+def check_class_imports(argv: list[str]) -> None:
+    """A named class whose module cannot be imported: one line saying why and where, instead of jsonargparse's
+    "either not accessible or invalid" (a user's own module with a bug, a missing package, a typo in the module)."""
+    for group in ("model", "data"):
+        for class_path in named_classes(argv, group):
+            module, _, name = class_path.rpartition(".")
+            if not module:
+                continue  # a bare class name, or inline YAML: jsonargparse resolves it
+            try:
+                importlib.import_module(module)
+            except ModuleNotFoundError as err:
+                if err.name and (module == err.name or module.startswith(err.name + ".")):
+                    raise UserError(
+                        f"--{group}={class_path}: no module named {err.name!r}; check the name, and that the folder "
+                        "holding it is on PYTHONPATH (or installed)"
+                    ) from None
+                raise UserError(f"--{group}={class_path}: importing {module} failed: {_where(err)}") from None
+            except Exception as err:  # noqa: BLE001 - the user's own module: say what and where
+                raise UserError(f"--{group}={class_path}: importing {module} failed: {_where(err)}") from None
+
+
+def _where(err: BaseException) -> str:
+    """``ZeroDivisionError: division by zero (at /path/mod.py:12)``: the exception and its innermost frame."""
+    import traceback
+
+    frames = traceback.extract_tb(err.__traceback__)
+    user = [f for f in frames if "importlib" not in f.filename and "<frozen" not in f.filename]
+    at = f" (at {user[-1].filename}:{user[-1].lineno})" if user else ""
+    return f"{type(err).__name__}: {err}{at}"
+
+
+def task_classes(argv: list[str], model: str | type, data: str | type) -> dict:
+    """LightningCLI's class arguments: the default task's classes, fixed (flat ``--model.arch``, flat YAML), unless
+    the command line names another class, which then works as in any LightningCLI (``--model=pkg.Class
+    --model.hidden=64``; its own defaults, none of the default class's)."""
+    kwargs = {}
+    for group, default, base, key in (
+        ("model", model, LightningModule, "model_class"),
+        ("data", data, LightningDataModule, "datamodule_class"),
+    ):
+        named = names_class(argv, group)
+        kwargs[key] = base if named else (import_class(default) if isinstance(default, str) else default)
+        kwargs[f"subclass_mode_{group}"] = named
+    return kwargs
