@@ -7,7 +7,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
-import os
 import re
 import sys
 from pathlib import Path
@@ -16,7 +15,6 @@ import yaml
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from app.errors import UserError
-from app.strategies.launch import launcher_ranks
 from app.task import import_class
 
 CKPT_PATH_HELP = (
@@ -218,11 +216,3 @@ def strategy_options_by_name(argv: list[str]) -> list[str]:
 
 def _yaml_value(value: str | int | float | bool) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def says_errors() -> bool:
-    """Whether this process prints a bad-input error: the first process of each node. Under ``mpirun`` or
-    ``torchrun`` every rank checks the same command line and files and finds the same error; the others exit 2
-    without printing it again (8 times on an 8-GPU node). A node-specific error still shows, once per node."""
-    ranks = launcher_ranks()
-    return (ranks[2] if ranks is not None else int(os.environ.get("LOCAL_RANK") or 0)) == 0

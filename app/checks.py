@@ -16,7 +16,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from app.arguments import Parser
 from app.errors import UserError
-from app.strategies.launch import mpi_world_size
+from app.launcher import mpi_world_size
 from app.task import import_class
 
 

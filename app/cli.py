@@ -21,7 +21,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 
 import app  # noqa: F401  (registers the dp and horovod strategies)
-from app.arguments import Parser, check_config_files, says_errors, strategy_options_by_name
+from app.arguments import Parser, check_config_files, strategy_options_by_name
 from app.callbacks import RankWatchdog
 from app.callbacks.elastic import ElasticRunFolder
 from app.checkpoint_io import SafeCheckpointIO
@@ -38,16 +38,15 @@ from app.defaults import DEFAULT_CALLBACK_NAMES, default_callbacks, default_logg
 from app.elastic import (
     continue_run_folder,
     take_launcher_numbers,
-    torchrun_job,
 )
 from app.errors import UserError
+from app.launcher import first_on_node, is_first_process, launcher_ranks, torchrun_job
 from app.quiet import HeldRecords
 from app.resume import (
     CkptPathRule,
     check_loggerless_root,
 )
-from app.run_dir import check_writable, claim_versions, is_first_process, release_if_unused
-from app.strategies.launch import launcher_ranks
+from app.run_dir import check_writable, claim_versions, release_if_unused
 from app.task import spec_of
 
 # The task a run trains when the command line names no class (``--model=pkg.Class``, ``--data=pkg.Class`` or a YAML
@@ -256,7 +255,7 @@ def main(
             args=args,
         )
     except UserError as err:
-        if says_errors():
+        if first_on_node():
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     except OSError as err:

@@ -20,45 +20,15 @@ import json
 import os
 import re
 import socket
-from dataclasses import dataclass
 from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.errors import UserError
+from app.launcher import TorchrunJob, torchrun_job
 
 MARKER = "elastic.json"
 METRICS_BEFORE_RESTART = "metrics.before-restart.csv"
-
-
-@dataclass(frozen=True)
-class TorchrunJob:
-    run_id: str
-    world_size: int
-    local_world_size: int
-    nodes: int
-    restart_count: int
-    max_restarts: int
-
-    @property
-    def restarts_possible(self) -> bool:
-        return self.max_restarts > 0
-
-
-def torchrun_job() -> TorchrunJob | None:
-    """The torchrun job this process is a worker of, or None when torchrun did not start it."""
-    env = os.environ
-    if "TORCHELASTIC_RUN_ID" not in env or "LOCAL_WORLD_SIZE" not in env:
-        return None
-    world, local = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
-    return TorchrunJob(
-        run_id=env["TORCHELASTIC_RUN_ID"],
-        world_size=world,
-        local_world_size=local,
-        nodes=int(env.get("GROUP_WORLD_SIZE", world // max(local, 1))),
-        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
-        max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
-    )
 
 
 # Set by the horovod strategy's own mpirun launch (``--trainer.strategy.max_restarts``) in its ranks' environment.
@@ -205,7 +175,8 @@ def continue_run_folder(loggers: list, job: TorchrunJob) -> tuple[dict[Path, int
     Returns the logger roots with the version they go on writing, the ``last.ckpt`` to resume from (None: start
     fresh) and the name this start's config file gets beside the first start's ``config.yaml``. Exits 0 with one
     line when the job's run had already finished (a worker failed after training, e.g. at exit)."""
-    from app.run_dir import folder_logger_root, is_first_process
+    from app.launcher import is_first_process
+    from app.run_dir import folder_logger_root
 
     continued: dict[Path, int] = {}
     ckpt, config_name = None, None

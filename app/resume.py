@@ -11,8 +11,8 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.checkpoint_io import check_compatible, load_checkpoint, saved_class
 from app.checks import init_parameters
-from app.elastic import torchrun_job
 from app.errors import UserError
+from app.launcher import torchrun_job
 from app.lightning_internals import epochs_done
 from app.run_dir import folder_logger_root
 from app.task import import_class, spec_of

@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.errors import UserError
-from app.strategies.launch import launcher_ranks
+from app.launcher import is_first_process
 
 VERSION_ENV = "TEMPLATE_RUN_VERSION"  # the claimed N, for the ranks a launcher starts after the claim
 # Columns of metrics.csv that say nothing of the training itself: a run that logged only these (the learning-rate
@@ -29,15 +29,6 @@ VERSION_ENV = "TEMPLATE_RUN_VERSION"  # the claimed N, for the ranks a launcher 
 # whatever the task names its metrics.
 BOOKKEEPING = ("epoch", "step")
 BOOKKEEPING_PREFIXES = ("lr-",)
-
-
-def is_first_process() -> bool:
-    """True in the process that becomes global rank 0 (before any strategy has set ranks up)."""
-    ranks = launcher_ranks()  # mpirun / horovodrun
-    if ranks is not None:
-        return ranks[1] == 0
-    # torchrun sets RANK; Lightning's ddp children LOCAL_RANK; a second node's launcher NODE_RANK; srun SLURM_PROCID.
-    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
 def folder_logger_root(logger) -> Path | None:

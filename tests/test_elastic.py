@@ -25,9 +25,10 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from app.checkpoint_io import CHECKPOINT_FORMAT, FORMAT_KEY, check_compatible, load_checkpoint
-from app.elastic import agent_id, finished_run_of, mark_run, run_of, take_launcher_numbers, torchrun_job
+from app.elastic import agent_id, finished_run_of, mark_run, run_of, take_launcher_numbers
 from app.errors import UserError
 from app.fashion_mnist.model import DEFAULT_SGD
+from app.launcher import torchrun_job
 from app.loader import ResumableLoader, ResumableSampler
 from app.strategies import HorovodStrategy
 from tests import warm

@@ -3,15 +3,16 @@
 from app.callbacks.activation_checkpointing import ActivationCheckpointing
 from app.callbacks.checkpoint import ModelCheckpoint
 from app.callbacks.ddp_comm_hook import DDPCommHook
-from app.callbacks.divergence import Diverged, StopOnNonFinite
+from app.callbacks.divergence import StopOnNonFinite
 from app.callbacks.elastic import Elastic
 from app.callbacks.prediction_writer import PredictionWriter
-from app.callbacks.preemption import Preempted, Preemption
+from app.callbacks.preemption import Preemption
 from app.callbacks.progress import ProgressBar
 from app.callbacks.rank_watchdog import RankWatchdog
 from app.callbacks.run_report import RunReport
 from app.callbacks.sync_batchnorm import AllReduceBatchNorm, SyncBatchNorm
 from app.callbacks.warmup import LRWarmup
+from app.errors import Diverged, Preempted
 
 __all__ = [
     "ActivationCheckpointing",

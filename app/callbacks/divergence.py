@@ -25,22 +25,11 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
 from app.callbacks.preemption import wait_for_local_ranks
+from app.errors import Diverged
 from app.lightning_internals import take_over_local_ranks
 from app.task import spec_of
 
 LOSS = "the training loss"  # what training_step returned, whatever the task logs it as
-
-
-class Diverged(SystemExit):
-    """Raised on every rank when the loss stopped being finite; exits the process with code 1.
-
-    On global rank 0 the exit code is the message, so Python prints it as the run's last line (after the progress
-    bar and every other output are done) and exits 1; the other ranks exit 1 quietly.
-    """
-
-    def __init__(self, message: str, global_rank: int) -> None:
-        super().__init__(f"error: {message}" if global_rank == 0 else 1)
-        self.message = message
 
 
 class StopOnNonFinite(Callback):

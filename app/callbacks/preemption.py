@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.callbacks.progress import console_print, live_bar_console
 from app.elastic import torchrun_restarts_possible
+from app.errors import Preempted
 from app.lightning_internals import log_step_now, take_over_local_ranks, validation_progress
 
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
@@ -53,14 +54,6 @@ def _how_to_continue() -> str:
     if torchrun_restarts_possible():
         return "torchrun resumes from it when it restarts the job; after the job ended, the same command continues it"
     return "Continue with the same command plus --ckpt_path last"
-
-
-class Preempted(SystemExit):
-    """Raised on every rank after the preemption checkpoint (or at a second signal); exits with ``128 + signal``."""
-
-    def __init__(self, signum: int, checkpointed: bool = True) -> None:
-        super().__init__(128 + signum)
-        self.signum, self.checkpointed = signum, checkpointed
 
 
 class Preemption(Callback):

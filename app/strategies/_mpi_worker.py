@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import app  # noqa: F401  (registers the strategies before anything is unpickled)
-from app.callbacks.preemption import Preempted
-from app.errors import UserError
-from app.strategies.launch import PREEMPTED, USER_ERROR, launcher_ranks, process_alive
+from app.errors import Preempted, UserError
+from app.launcher import launcher_ranks
+from app.strategies.launch import PREEMPTED, USER_ERROR, process_alive
 
 
 def main(job_path: str, result_path: str) -> None:

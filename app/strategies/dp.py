@@ -36,7 +36,7 @@ from torch.nn.parallel import parallel_apply, replicate
 from torch.nn.parallel.scatter_gather import scatter
 
 from app.errors import UserError
-from app.strategies.launch import mpi_world_size
+from app.launcher import mpi_world_size
 
 
 class DataParallelStrategy(ParallelStrategy):

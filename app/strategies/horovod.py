@@ -43,8 +43,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from app.errors import UserError
+from app.launcher import launcher_ranks
 from app.reductions import WIRE_DTYPES, AdasumDelta, Compression, GradientAllreduce, ReduceOp, is_power_of_two
-from app.strategies.launch import MPILaunchEnvironment, MPIRunLauncher, launcher_ranks
+from app.strategies.launch import MPILaunchEnvironment, MPIRunLauncher
 
 Backend = Literal["auto", "horovod", "mpi"]
 

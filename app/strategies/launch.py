@@ -29,35 +29,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from app.elastic import MPI_LAUNCH_DIR, MPI_RESTART, MPI_RESTARTS_LEFT, SAVED_STATE, keep_metrics_for_restart
 from app.errors import UserError
+from app.launcher import launcher_ranks
 from app.lightning_internals import ResultsLauncher, resume_from
-
-# (world size, rank, local rank, local size) variables of each launcher, most specific first.
-_LAUNCHER_VARS = (
-    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
-    ("HOROVOD_SIZE", "HOROVOD_RANK", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
-    ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    ("PMIX_SIZE", "PMIX_RANK", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
-)
-
-
-def launcher_ranks() -> tuple[int, int, int, int] | None:
-    """``(world_size, rank, local_rank, local_size)`` from the launcher's variables, or None outside a launch."""
-    for size, rank, local_rank, local_size in _LAUNCHER_VARS:
-        if size in os.environ and rank in os.environ:
-            world = int(os.environ[size])
-            return (
-                world,
-                int(os.environ[rank]),
-                int(os.environ.get(local_rank, os.environ[rank])),
-                int(os.environ.get(local_size, world)),
-            )
-    return None
-
-
-def mpi_world_size() -> int:
-    """Number of ranks this process was launched with by an MPI launcher (1 when there is none)."""
-    ranks = launcher_ranks()
-    return ranks[0] if ranks else 1
 
 
 class MPILaunchEnvironment(ClusterEnvironment):
@@ -251,7 +224,7 @@ class MPIRunLauncher(ResultsLauncher):
         if not signum and (workdir / PREEMPTED).exists():  # the ranks were signalled directly
             signum = int((workdir / PREEMPTED).read_text())
         if signum:
-            from app.callbacks.preemption import Preempted
+            from app.errors import Preempted
 
             raise Preempted(signum)
         if (workdir / USER_ERROR).exists():

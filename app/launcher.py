@@ -1,0 +1,87 @@
+"""Which launcher started this process, and where the process stands in the job: the one place that reads the
+launchers' environment variables (mpirun/horovodrun, torchrun, Lightning's own ddp children, srun).
+
+Everything that asks "is this global rank 0, before any strategy has set ranks up", "did MPI start me" or "is
+this a torchrun worker that may be restarted" asks here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# (world size, rank, local rank, local size) variables of each launcher, most specific first.
+_LAUNCHER_VARS = (
+    ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("HOROVOD_SIZE", "HOROVOD_RANK", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE"),
+    ("PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("PMIX_SIZE", "PMIX_RANK", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
+)
+
+
+def launcher_ranks() -> tuple[int, int, int, int] | None:
+    """``(world_size, rank, local_rank, local_size)`` from the launcher's variables, or None outside a launch."""
+    for size, rank, local_rank, local_size in _LAUNCHER_VARS:
+        if size in os.environ and rank in os.environ:
+            world = int(os.environ[size])
+            return (
+                world,
+                int(os.environ[rank]),
+                int(os.environ.get(local_rank, os.environ[rank])),
+                int(os.environ.get(local_size, world)),
+            )
+    return None
+
+
+def mpi_world_size() -> int:
+    """Number of ranks this process was launched with by an MPI launcher (1 when there is none)."""
+    ranks = launcher_ranks()
+    return ranks[0] if ranks else 1
+
+
+@dataclass(frozen=True)
+class TorchrunJob:
+    run_id: str
+    world_size: int
+    local_world_size: int
+    nodes: int
+    restart_count: int
+    max_restarts: int
+
+    @property
+    def restarts_possible(self) -> bool:
+        return self.max_restarts > 0
+
+
+def torchrun_job() -> TorchrunJob | None:
+    """The torchrun job this process is a worker of, or None when torchrun did not start it."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env or "LOCAL_WORLD_SIZE" not in env:
+        return None
+    world, local = int(env["WORLD_SIZE"]), int(env["LOCAL_WORLD_SIZE"])
+    return TorchrunJob(
+        run_id=env["TORCHELASTIC_RUN_ID"],
+        world_size=world,
+        local_world_size=local,
+        nodes=int(env.get("GROUP_WORLD_SIZE", world // max(local, 1))),
+        restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
+    )
+
+
+def is_first_process() -> bool:
+    """True in the process that becomes global rank 0 (before any strategy has set ranks up)."""
+    ranks = launcher_ranks()  # mpirun / horovodrun
+    if ranks is not None:
+        return ranks[1] == 0
+    # torchrun sets RANK; Lightning's ddp children LOCAL_RANK; a second node's launcher NODE_RANK; srun SLURM_PROCID.
+    return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
+
+
+def first_on_node() -> bool:
+    """Whether this is the first process of its node (local rank 0): the one that prints a bad-input error. Under
+    ``mpirun`` or ``torchrun`` every rank checks the same command line and files and finds the same error; the
+    others exit 2 without printing it again (8 times on an 8-GPU node). A node-specific error still shows, once per
+    node."""
+    ranks = launcher_ranks()
+    return (ranks[2] if ranks is not None else int(os.environ.get("LOCAL_RANK") or 0)) == 0
