@@ -247,6 +247,7 @@ def test_dp_run_report_names_each_device(tmp_path, data_dir):
 
 # ------------------------------------------------------------------------------------------------ the user's script
 USER_SCRIPT = """
+    import argparse
     import sys
     import warnings
 
@@ -256,6 +257,11 @@ USER_SCRIPT = """
     from torch.utils.data import DataLoader, TensorDataset
 
     import app  # noqa: F401  (registers the horovod strategy)
+
+    # Parsed at import, as many scripts do: each rank imports this module again and must see the same arguments.
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--epochs", type=int, default=1)
+    ARGS = parser.parse_args()
 
 
     class Model(LightningModule):
@@ -289,7 +295,7 @@ USER_SCRIPT = """
         model = Model()
         before = model.net.weight.detach().clone()
         trainer = Trainer(
-            strategy="horovod", devices=2, accelerator="cpu", max_epochs=1, callbacks=[Steps()], logger=False,
+            strategy="horovod", devices=2, accelerator="cpu", max_epochs=ARGS.epochs, callbacks=[Steps()], logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
         trainer.fit(model, Data())
@@ -305,9 +311,10 @@ USER_SCRIPT = """
 def test_horovod_self_launch_runs_classes_from_the_users_own_script(how, tmp_path):
     (tmp_path / "user_train.py").write_text(textwrap.dedent(USER_SCRIPT))
     cmd = [sys.executable, "user_train.py"] if how == "script" else [sys.executable, "-m", "user_train"]
-    result = run(cmd, cwd=tmp_path, timeout=300)
+    result = run([*cmd, "--epochs", "2"], cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "rank 0 trained 4 steps" in result.stdout and "rank 1 trained 4 steps" in result.stdout
+    # the ranks parsed the caller's own arguments at import (2 epochs x 4 steps), as under ddp_spawn
+    assert "rank 0 trained 8 steps" in result.stdout and "rank 1 trained 8 steps" in result.stdout
     assert "weights changed: True" in result.stdout  # rank 0's weights came back to the caller's model
     assert "the user's own warning" in result.stderr  # our filters are narrow
 

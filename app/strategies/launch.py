@@ -334,11 +334,13 @@ def process_alive(pid: int) -> bool:
 
 
 def main_module_preparation() -> dict:
-    """What a rank needs to import the caller's ``__main__`` as ``__mp_main__``: multiprocessing's own recipe."""
+    """What a rank needs to import the caller's ``__main__`` as ``__mp_main__``: multiprocessing's own recipe, the
+    caller's ``sys.argv`` included (a script that parses its arguments at import sees its own, as under spawn)."""
     import multiprocessing.spawn
 
     data = multiprocessing.spawn.get_preparation_data("horovod-rank")
-    return {k: data[k] for k in ("sys_path", "dir", "init_main_from_path", "init_main_from_name") if k in data}
+    keep = ("sys_path", "sys_argv", "dir", "init_main_from_path", "init_main_from_name")
+    return {k: data[k] for k in keep if k in data}
 
 
 def _die_with_parent() -> None:
