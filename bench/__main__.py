@@ -145,6 +145,20 @@ def torchvision_pipeline(args, device: torch.device, raw_dir: Path, batches: int
 
 
 # ------------------------------------------------------------------------------------------------ main
+def bench_runs(strategies: str, compile: bool, cuda: bool) -> list[tuple[str, str, int]]:
+    """``(row name, strategy, devices)`` of the cli.py runs: each strategy on one device, and on CPU ddp with 2
+    processes too. Under ``--compile`` dp is left out, saying so: it rebuilds its replicas every step, so the model
+    refuses to compile under it."""
+    chosen = [s for s in strategies.split(",") if s]
+    if compile and "dp" in chosen:
+        chosen.remove("dp")
+        print("--compile: dp left out (its replicas are rebuilt every step, so the model refuses compile)", flush=True)
+    runs = [(f"cli.py fit {s} x1", s, 1) for s in chosen]
+    if not cuda and "ddp" in chosen:
+        runs.append(("cli.py fit ddp x2 (processes)", "ddp", 2))
+    return runs
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
@@ -197,9 +211,7 @@ def main() -> None:
               f"{row['vs_plain']:.3f} x plain  {extra}{spread}", flush=True)  # fmt: skip
 
     data_dir = Path(args.data_dir).resolve()
-    runs = [(f"cli.py fit {s} x1", s, 1) for s in args.strategies.split(",") if s]  # (row name, strategy, devices)
-    if not cuda and "ddp" in args.strategies:
-        runs.append(("cli.py fit ddp x2 (processes)", "ddp", 2))
+    runs = bench_runs(args.strategies, args.compile, cuda)
     plains: list[float] = []
     results: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     jobs = [("plain PyTorch loop", None, 1), *runs]

@@ -426,7 +426,11 @@ def _corrupt(data: Path, name: str, change) -> None:
 BAD_INPUT = {
     "devices=0": (["--trainer.devices=0"], "--trainer.devices=0"),
     "devices=-1 on cpu": (["--trainer.devices=-1"], "--trainer.devices=-1"),
-    "more devices than exist": (["--trainer.accelerator=cuda", "--trainer.devices=2"], "--trainer.accelerator=cuda"),
+    # one more than exist, so that no host starts a real run (on a 2-GPU host, devices=2 would start ddp in pytest)
+    "more devices than exist": (
+        ["--trainer.accelerator=cuda", f"--trainer.devices={torch.cuda.device_count() + 1}"],
+        "--trainer.accelerator=cuda",
+    ),
     "batch_size=0": (["--data.batch_size=0"], "--data.batch_size"),
     "unknown strategy": (["--trainer.strategy=dpp"], "--trainer.strategy='dpp'"),
     "unknown key": (["--trainer.max_epoch=3"], "--trainer.max_epoch"),

@@ -18,7 +18,7 @@ from app.defaults import DEFAULT_CALLBACKS
 from app.errors import UserError
 from app.fashion_mnist.data import FashionMNISTDataModule
 from app.fashion_mnist.model import ImageClassifier
-from bench.__main__ import flops_per_image
+from bench.__main__ import bench_runs, flops_per_image
 from tests.conftest import CPU_TEST_CONFIG, run_cli
 
 
@@ -218,3 +218,11 @@ def test_train_loss_logged_only_where_read_gives_what_logging_every_step_gave(tm
     assert seen == every_seen
     assert all(ok for where, _, ok in seen if where == "bar")
     assert logs < every_logs
+
+
+def test_the_benchmark_leaves_dp_out_under_compile(capsys):
+    """``python -m bench --compile`` (the GPU benchmark) ran dp, which the model refuses with compile, and died."""
+    assert [s for _, s, _ in bench_runs("auto,dp,ddp", compile=True, cuda=True)] == ["auto", "ddp"]
+    assert "dp left out" in capsys.readouterr().out
+    assert [s for _, s, _ in bench_runs("auto,dp,ddp", compile=False, cuda=True)] == ["auto", "dp", "ddp"]
+    assert bench_runs("ddp", compile=False, cuda=False)[-1] == ("cli.py fit ddp x2 (processes)", "ddp", 2)
