@@ -389,3 +389,17 @@ def test_checkpoint_warns_of_a_missing_monitor_only_once_validation_has_run(stop
         trainer.fit(BoringModel())
     assert (tmp_path / "last.ckpt").is_file()
     assert not [w for w in caught if "monitored key" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_activation_checkpointing_refuses_a_compiled_model_in_one_line():
+    """torch.compile needs a checkpoint's context_fn to return TorchDispatchModes (and Dynamo keeps a bound method's
+    plain function): the pair failed deep in Dynamo at the first step. Now it is one line naming both (issue 35)."""
+    from app.callbacks.activation_checkpointing import COMPILE_REFUSED, apply_activation_checkpointing
+    from app.fashion_mnist.networks import build_resnet
+
+    net = build_resnet("resnet_tiny", num_classes=10, norm="batch")
+    assert apply_activation_checkpointing(net, ("BasicBlock",))
+    net.compile(backend="aot_eager")  # the mechanism of inductor's, without a C compiler's minutes
+    with pytest.raises(UserError) as error:
+        net(torch.randn(2, 1, 28, 28)).sum().backward()
+    assert str(error.value) == COMPILE_REFUSED

@@ -92,6 +92,13 @@ def remove_activation_checkpointing(root: nn.Module) -> None:
             module.__class__ = module._original_class
 
 
+COMPILE_REFUSED = (
+    "ActivationCheckpointing does not work with a compiled model (the example task's --model.compile=true): "
+    "torch.compile traces a checkpoint only with contexts it can trace, and the callback's BatchNorm guard is not "
+    "one; leave out one of the two"
+)
+
+
 class _Checkpointed:
     """Mixin placed in front of a module's own class: ``forward`` runs under ``torch.utils.checkpoint``."""
 
@@ -101,6 +108,10 @@ class _Checkpointed:
         forward = super().forward
         if not (self.training and torch.is_grad_enabled()):
             return forward(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # torch.compile needs a checkpoint's context_fn to return TorchDispatchModes; the BatchNorm guard below
+            # (its running statistics updated once, not again in the recomputation) is a plain context manager
+            raise UserError(COMPILE_REFUSED)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
 
     def _contexts(self):
