@@ -21,16 +21,33 @@ _LAUNCHER_VARS = (
 
 def launcher_ranks() -> tuple[int, int, int, int] | None:
     """``(world_size, rank, local_rank, local_size)`` from the launcher's variables, or None outside a launch."""
+    env = os.environ
     for size, rank, local_rank, local_size in _LAUNCHER_VARS:
-        if size in os.environ and rank in os.environ:
-            world = int(os.environ[size])
-            return (
-                world,
-                int(os.environ[rank]),
-                int(os.environ.get(local_rank, os.environ[rank])),
-                int(os.environ.get(local_size, world)),
-            )
+        if size in env and rank in env:
+            world = int(env[size])
+            # srun with PMI (SLURM's MpiDefault=pmi2) sets PMI_SIZE and PMI_RANK but no local rank: SLURM says it
+            local = env.get(local_rank, env.get("SLURM_LOCALID", env[rank]))
+            return world, int(env[rank]), int(local), int(env.get(local_size) or slurm_tasks_per_node() or world)
     return None
+
+
+def slurm_tasks_per_node() -> int | None:
+    """The tasks SLURM starts on this node (``SLURM_NTASKS_PER_NODE``, or ``SLURM_STEP_TASKS_PER_NODE`` /
+    ``SLURM_TASKS_PER_NODE`` such as ``4(x2)`` or ``4,3``, read for this node's ``SLURM_NODEID``), or None."""
+    env = os.environ
+    if env.get("SLURM_NTASKS_PER_NODE", "").isdigit():
+        return int(env["SLURM_NTASKS_PER_NODE"])
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if not spec:
+        return None
+    per_node: list[int] = []
+    for part in spec.split(","):
+        count, _, repeat = part.partition("(x")
+        if not count.isdigit():
+            return None
+        per_node += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+    node = int(env.get("SLURM_NODEID", "0") or 0)
+    return per_node[node] if node < len(per_node) else None
 
 
 def mpi_world_size() -> int:

@@ -139,7 +139,9 @@ def find_mpirun() -> str:
 
 
 def mpirun_command(num_processes: int) -> list[str]:
-    cmd = [find_mpirun(), "-np", str(num_processes)]
+    # Open MPI binds each rank to one core by default (for small -np); a rank feeding a GPU needs more than one
+    # (its data path, the reduction threads): Horovod's guidance is --bind-to none --map-by slot.
+    cmd = [find_mpirun(), "-np", str(num_processes), "--bind-to", "none", "--map-by", "slot"]
     if os.geteuid() == 0:
         cmd.append("--allow-run-as-root")
     if num_processes > (os.cpu_count() or 1):
