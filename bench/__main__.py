@@ -42,9 +42,10 @@ from bench.report import record
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCH_IMAGES = 55_000
-PEAK_TFLOPS = {  # dense, per GPU: (bf16/fp16 tensor cores, fp32 / tf32)
+PEAK_TFLOPS = {  # dense, per GPU: (bf16/fp16 tensor cores, fp32 / tf32); the first name found in the device's wins
     "H200": (989.0, 494.0),
-    "H100": (989.0, 494.0),
+    "H100 PCIe": (756.0, 378.0),
+    "H100": (989.0, 494.0),  # SXM (and NVL's per-GPU figure is close to it)
     "A100": (312.0, 156.0),
     "V100": (125.0, 15.7),
 }

@@ -130,7 +130,7 @@ def main() -> None:
         "ratios to ddp's step time (below 1 is faster); spread: (max - min) / median."
     )
     columns = ["model", "tensors", "reduction", "ms_per_step", "vs_ddp", "spread"]
-    path = record("reductions", "bench.reductions", rows, columns, notes)
+    path = record("reductions", "bench.reductions", rows, columns, notes, device="cpu")  # gloo on CPU, always
     print(path.read_text())
 
 

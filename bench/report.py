@@ -15,8 +15,8 @@ import torch
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def machine() -> str:
-    if torch.cuda.is_available():
+def machine(device: str | None = None) -> str:
+    if device != "cpu" and torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} ({torch.cuda.device_count()} visible)"
     cpu = platform.processor() or platform.machine()
     return f"CPU: {cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
@@ -31,17 +31,20 @@ def commit() -> str:
         return "unknown"
 
 
-def record(name: str, module: str, rows: list[dict], columns: list[str], notes: str = "") -> Path:
-    """Write the rows as JSON and as a markdown table; returns the markdown path."""
+def record(
+    name: str, module: str, rows: list[dict], columns: list[str], notes: str = "", device: str | None = None
+) -> Path:
+    """Write the rows as JSON and as a markdown table; returns the markdown path. ``device``: what the figures were
+    measured on (``cpu`` for a CPU-only benchmark on a machine with a GPU); default: cuda when one is visible."""
+    tag = device or ("cuda" if torch.cuda.is_available() else "cpu")
     meta = {
         "command": " ".join(["python", "-m", module, *sys.argv[1:]]),
         "date": datetime.date.today().isoformat(),
         "commit": commit(),
-        "machine": machine(),
+        "machine": machine(tag),
         "torch": torch.__version__,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    tag = "cuda" if torch.cuda.is_available() else "cpu"
     (RESULTS / f"{name}-{tag}.json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
     lines = [f"# {name}", "", *(f"- {k}: `{v}`" for k, v in meta.items()), ""]
     if notes:

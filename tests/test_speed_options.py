@@ -226,3 +226,23 @@ def test_the_benchmark_leaves_dp_out_under_compile(capsys):
     assert "dp left out" in capsys.readouterr().out
     assert [s for _, s, _ in bench_runs("auto,dp,ddp", compile=False, cuda=True)] == ["auto", "dp", "ddp"]
     assert bench_runs("ddp", compile=False, cuda=False)[-1] == ("cli.py fit ddp x2 (processes)", "ddp", 2)
+
+
+def test_peak_flops_tells_the_h100_pcie_from_the_sxm(monkeypatch):
+    from bench.__main__ import peak_flops
+
+    cuda = torch.device("cuda", 0)
+    for name, bf16, fp32 in (("NVIDIA H100 PCIe", 756e12, 378e12), ("NVIDIA H100 80GB HBM3", 989e12, 494e12)):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert peak_flops(cuda, "bf16-mixed", None) == bf16 and peak_flops(cuda, "32-true", None) == fp32
+
+
+def test_a_cpu_benchmark_on_a_gpu_host_is_tagged_cpu(monkeypatch, tmp_path):
+    """bench.reductions runs on gloo/CPU: its results are not 'cuda' figures because a GPU is visible."""
+    import bench.report
+
+    monkeypatch.setattr(bench.report, "RESULTS", tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
+    path = bench.report.record("reductions", "bench.reductions", [{"a": 1.0}], ["a"], device="cpu")
+    assert path.name == "reductions-cpu.md" and "H100" not in path.read_text()

@@ -141,7 +141,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         channels = x.shape[1]
         dims = [d for d in range(x.dim()) if d != 1]
         x64 = x.double()
-        count = torch.tensor([x.numel() / channels], dtype=torch.float64, device=x.device)
+        # torch.full, not torch.tensor([...], device=cuda): no host-to-device copy of a Python list in every BN layer
+        count = torch.full((1,), x.numel() / channels, dtype=torch.float64, device=x.device)
         stats = torch.cat([x64.sum(dims), (x64 * x64).sum(dims), count])
         dist.all_reduce(stats)
         total = stats[-1]
