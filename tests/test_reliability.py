@@ -123,6 +123,25 @@ def test_resume_after_finished_epochs_is_bit_identical(strategy, reference, work
         assert got[key] == expected_metrics[key], key
 
 
+def test_a_run_stopped_by_max_steps_mid_epoch_resumes_where_it_stopped(reference, workdir, data_dir):
+    """--trainer.max_steps=3 stops inside epoch 0 (8 steps per epoch); the same command with --ckpt_path last and
+    no max_steps goes on from step 3 of epoch 0 (Lightning counted the epoch as finished and skipped its last 5
+    batches) and ends where an unbroken run does (issue 35, item 2)."""
+    first = fit(workdir, data_dir, "--trainer.max_steps=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    [v0] = versions(workdir)
+    assert last_ckpt(v0)["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["batches"] == 3
+    again = fit(workdir, data_dir, "--trainer.max_steps=3", "--ckpt_path=last")  # nothing left: says so
+    assert again.returncode == 0 and "already trained step 3" in again.stdout + again.stderr
+    second = fit(workdir, data_dir, "--ckpt_path=last")
+    assert second.returncode == 0, second.stderr[-3000:]
+    expected, _ = reference("single")
+    v1 = versions(workdir)[-1]
+    resumed = last_ckpt(v1)
+    assert resumed["global_step"] == expected["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert_same_weights(resumed, expected)
+
+
 @pytest.mark.parametrize(
     ("strategy", "signal_name", "rank", "code"),
     [("single", "SIGINT", 0, 130), ("ddp", "SIGTERM", 1, 143)],

@@ -8,6 +8,9 @@ A run that stops before its first validation (``--trainer.max_steps`` inside the
 ``val/acc`` to rank checkpoints by: it writes ``last.ckpt`` only, without Lightning's warning that the monitored
 key is missing. Once a validation has run, a monitor that it did not log stops the run with Lightning's error.
 
+A run stopped by ``--trainer.max_steps`` part-way through an epoch saves the position after its last step (Lightning
+counts that epoch as finished, so a resume with a larger limit would skip the rest of the epoch).
+
 A monitor that the model does not log is one line at the end of the first validation (the sanity check, when it
 runs), before an epoch of training is lost; Lightning would raise only after the first training epoch.
 
@@ -20,7 +23,7 @@ from __future__ import annotations
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
 
 from app.errors import UserError
-from app.lightning_internals import refresh_last_checkpoint
+from app.lightning_internals import fit_loop_state, put_fit_loop_state, refresh_last_checkpoint
 
 
 class ModelCheckpoint(LightningModelCheckpoint):
@@ -30,6 +33,22 @@ class ModelCheckpoint(LightningModelCheckpoint):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         self._validated = False
+        self._at_max_steps: tuple[int, dict] | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        cut_short = batch_idx + 1 < trainer.num_training_batches  # not the epoch's last batch
+        if cut_short and trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps:
+            # The position after the last step, as a step checkpoint holds it: Lightning then ends the epoch (its
+            # counters say the epoch finished), and a checkpoint saved from there would resume at the next epoch.
+            self._at_max_steps = (trainer.global_step, fit_loop_state(trainer))
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> dict | None:
+        state = super().on_save_checkpoint(trainer, pl_module, checkpoint)
+        stopped = getattr(self, "_at_max_steps", None)
+        if stopped is not None and stopped[0] == trainer.global_step and "loops" in checkpoint:
+            put_fit_loop_state(checkpoint, stopped[1])  # resumes inside the epoch that max_steps cut short
+        return state
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         nothing_to_rank = self.monitor is not None and not self._validated
