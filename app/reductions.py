@@ -65,7 +65,10 @@ class _Bucket:
         first = params[0]
         self.buffer = torch.empty(sum(self.sizes), dtype=wire_dtype or first.dtype, device=first.device)
         self.as_views = self.buffer.dtype == first.dtype
-        self.views = [chunk.view_as(p) for p, chunk in zip(params, self.buffer.split(self.sizes), strict=True)]
+        # Each parameter's part of the buffer, with the parameter's own strides (channels_last convolutions too, as
+        # DDP's bucket views): the optimizer's foreach kernels and its state then keep the parameter's layout.
+        self.views = [_like(chunk, p) for p, chunk in zip(params, self.buffer.split(self.sizes), strict=True)]
+        self.contiguous = all(p.is_contiguous() for p in params)  # buffer order is then the gradients' own
         self.ready = 0
         self.handle: Any = None
 
@@ -74,11 +77,13 @@ class _Bucket:
             if param.grad is None:  # unused in this step: contributes zeros, and the optimizer gets the reduced sum
                 param.grad = torch.zeros_like(param)
         if not (self.as_views and self._grads_are_views()):
-            flat = [param.grad.reshape(-1) for param in self.params]
-            if self.as_views:
-                torch.cat(flat, out=self.buffer)  # one copy for the whole bucket
+            if not self.contiguous:  # each gradient into its view, in its parameter's memory order
+                for param, view in zip(self.params, self.views, strict=True):
+                    view.copy_(param.grad)
+            elif self.as_views:
+                torch.cat([param.grad.reshape(-1) for param in self.params], out=self.buffer)  # one copy in all
             else:
-                self.buffer.copy_(torch.cat(flat))  # to the wire dtype
+                self.buffer.copy_(torch.cat([param.grad.reshape(-1) for param in self.params]))  # to the wire dtype
         if prescale != 1.0:
             self.buffer.mul_(prescale)
 
@@ -93,10 +98,28 @@ class _Bucket:
         if postscale != 1.0:
             reduced.mul_(postscale)
         for param, chunk in zip(self.params, reduced.split(self.sizes), strict=True):
-            param.grad.copy_(chunk.view_as(param.grad))
+            param.grad.copy_(_like(chunk, param))
 
     def _grads_are_views(self) -> bool:
         return all(p.grad is v for p, v in zip(self.params, self.views, strict=True))
+
+
+def _like(chunk: Tensor, param: Tensor) -> Tensor:
+    """``chunk`` (flat, ``param.numel()`` long) as a tensor of ``param``'s shape and, when ``param`` is dense in
+    another memory order (channels_last), its strides."""
+    if param.is_contiguous() or not _dense(param):
+        return chunk.view(param.shape)
+    return chunk.as_strided(param.shape, param.stride())
+
+
+def _dense(tensor: Tensor) -> bool:
+    """Whether the tensor's elements fill its memory without gaps or overlaps, in some order of its dimensions."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda pair: pair[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 class GradientAllreduce:

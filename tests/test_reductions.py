@@ -283,6 +283,38 @@ def test_reduced_gradients_are_bucket_views_and_right_either_way_an_optimizer_ze
             dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("compression", ["none", "bf16"])
+def test_channels_last_gradients_keep_their_parameters_strides(compression):
+    """A channels_last convolution's reduced gradient has its parameter's strides (the buckets handed back NCHW views
+    of NHWC parameters: SGD's foreach kernels fell back, momentum came out NCHW), with the right values, fused or
+    through a compressed wire (issue 35, item 11)."""
+    import torch.distributed as dist
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    from app.reductions import GradientAllreduce
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_network_port()}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+        params = list(net.parameters())
+        sync = GradientAllreduce(params, "mpi", world_size=2, compression=compression)
+        x = torch.randn(2, 3, 9, 9).contiguous(memory_format=torch.channels_last)
+        expected = torch.autograd.grad(net(x).square().sum(), params)
+        net(x).square().sum().backward()
+        sync.synchronize()
+        tolerance = {"rtol": 1e-2, "atol": 1e-2} if compression == "bf16" else {}
+        for param, grad in zip(params, expected, strict=True):
+            assert param.grad.stride() == param.stride(), (param.shape, param.grad.stride(), param.stride())
+            torch.testing.assert_close(param.grad, grad / 2, **tolerance)
+        sync.remove()
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
 @pytest.mark.parametrize(
     "flags",
     [
