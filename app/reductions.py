@@ -212,13 +212,24 @@ def adasum(a: Tensor, b: Tensor, sizes: Sequence[int], segment: Tensor | None = 
         segment = segment_index(sizes, a.device)
 
     def per_tensor(x: Tensor) -> Tensor:
-        return torch.zeros(len(sizes), dtype=torch.float64, device=a.device).index_add_(0, segment, x)
+        return per_tensor_sums(x, sizes, segment)
 
     dot, a_sq, b_sq = per_tensor(a64 * b64), per_tensor(a64 * a64), per_tensor(b64 * b64)
     one = torch.ones_like(dot)
     a_coef = torch.where(a_sq >= ADASUM_MIN_NORM_SQUARED, 1 - dot / (2 * a_sq.clamp_min(ADASUM_MIN_NORM_SQUARED)), one)
     b_coef = torch.where(b_sq >= ADASUM_MIN_NORM_SQUARED, 1 - dot / (2 * b_sq.clamp_min(ADASUM_MIN_NORM_SQUARED)), one)
     return (a_coef[segment] * a64 + b_coef[segment] * b64).to(a.dtype)
+
+
+def per_tensor_sums(x: Tensor, sizes: Sequence[int], segment: Tensor) -> Tensor:
+    """The sum of each tensor's elements in a flat vector made of tensors of ``sizes`` elements.
+
+    On the CPU one ``index_add_``; on a GPU ``index_add_`` adds with atomics, in an order that changes from run to
+    run, so two partners of an Adasum exchange could round differently and their replicas drift apart: there each
+    tensor is summed by its own reduction, whose order is fixed."""
+    if x.device.type == "cpu":
+        return torch.zeros(len(sizes), dtype=x.dtype, device=x.device).index_add_(0, segment, x)
+    return torch.stack([chunk.sum() for chunk in x.split(list(sizes))])
 
 
 def is_power_of_two(n: int) -> bool:
@@ -231,7 +242,8 @@ def adasum_allreduce_(
     """Replace ``flat`` on every rank of the default group by the Adasum of all ranks' ``flat``, in place.
 
     Recursive distance-doubling: at distance d = 1, 2, 4, ... each rank swaps its vector with rank ^ d and both
-    compute Adasum(lower rank's, higher rank's), so partners hold bitwise-equal results. With a ``wire_dtype``
+    compute Adasum(lower rank's, higher rank's) with sums in a fixed order (:func:`per_tensor_sums`), so partners hold
+    bitwise-equal results. With a ``wire_dtype``
     both vectors are rounded to it before each exchange (each rank rounds its own too), for the same reason.
     Horovod splits the vectors in halves at each level to save bandwidth; this sends them whole.
     """

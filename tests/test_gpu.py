@@ -89,3 +89,17 @@ def test_16_mixed_trains_with_a_gradient_scaler(workdir, data_dir, strategy):
     assert len(losses) == 12 and all(loss == loss for loss in losses)  # finite, not NaN
     checkpoint = torch.load("lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
     assert "MixedPrecision" in checkpoint and checkpoint["MixedPrecision"]["scale"] > 0
+
+
+def test_adasum_on_cuda_is_the_same_every_time_and_for_both_partners():
+    """index_add_ adds with atomics on CUDA (an order that changes from call to call): the per-tensor sums of an
+    Adasum exchange now reduce each tensor in a fixed order, so partners (who compute Adasum(lower, higher) each on
+    their own) round alike and replicas do not drift (issue 35, item 14)."""
+    from app.reductions import adasum, segment_index
+
+    torch.manual_seed(0)
+    sizes = [64 * 3 * 3 * 3, 64, 512 * 512 * 9, 10]  # a large tensor: many blocks, where atomics reorder
+    a, b = (torch.randn(sum(sizes), device="cuda") for _ in range(2))
+    segment = segment_index(sizes, a.device)
+    first = adasum(a, b, sizes, segment)
+    assert all(torch.equal(adasum(a, b, sizes, segment), first) for _ in range(20))

@@ -353,3 +353,13 @@ def test_bad_input_found_in_the_self_launched_horovod_ranks_is_one_line(tmp_path
         "error: app.callbacks.DDPCommHook works with --trainer.strategy=ddp or ddp_spawn, not HorovodStrategy; the "
         "horovod strategy compresses with --trainer.strategy.compression=fp16|bf16"
     ]
+
+
+def test_per_tensor_sums_are_the_tensors_sums():
+    from app.reductions import per_tensor_sums, segment_index
+
+    torch.manual_seed(0)
+    sizes = [5, 1, 300, 7]
+    x = torch.randn(sum(sizes), dtype=torch.float64)
+    sums = per_tensor_sums(x, sizes, segment_index(sizes, x.device))
+    torch.testing.assert_close(sums, torch.stack([t.sum() for t in x.split(sizes)]), rtol=1e-12, atol=1e-12)
