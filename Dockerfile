@@ -2,13 +2,23 @@
 #   docker build -t fashion-resnet .
 #   docker run --gpus all --shm-size=8g -v "$PWD/data:/app/data" -v "$PWD/lightning_logs:/app/lightning_logs" \
 #       fashion-resnet fit --trainer.strategy=ddp --trainer.devices=4
-# The base image is pinned to an exact tag; it brings a CUDA build of torch and torchvision, which pip keeps when
-# they satisfy setup.cfg (torchvision>=0.20 pairs with this torch 2.5.1), and replaces otherwise.
-FROM pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime
+# The base is a plain Python pinned to an exact tag, and torch comes from PyPI exactly as CI installs it (its CUDA
+# wheels carry their own CUDA libraries; `--gpus all` brings the driver): the image runs the versions the test suite
+# proves, not an older torch of a pytorch/pytorch tag. gcc/g++: torch.compile (inductor, Triton) needs a C compiler.
+FROM python:3.11.7-slim-bookworm
 
+RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+# Caches in /tmp: under `docker run --user "$(id -u):$(id -g)"` the uid has no passwd entry and no home, where
+# inductor's default cache folder (named by getpass.getuser()) fails.
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HOME=/tmp \
+    TORCHINDUCTOR_CACHE_DIR=/tmp/torchinductor \
+    TRITON_CACHE_DIR=/tmp/triton \
+    MPLCONFIGDIR=/tmp/matplotlib
 
 WORKDIR /app
 COPY setup.cfg pyproject.toml README.md ./
