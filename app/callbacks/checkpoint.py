@@ -6,7 +6,7 @@ silently repeat epochs. This subclass writes ``last.ckpt`` at every point where 
 
 A run that stops before its first validation (``--trainer.max_steps`` inside the first epoch, a signal) has no
 ``val/acc`` to rank checkpoints by: it writes ``last.ckpt`` only, without Lightning's warning that the monitored
-key is missing. Once a validation has run, a monitor that it did not log stops the run with Lightning's error.
+key is missing.
 
 A run stopped by ``--trainer.max_steps`` part-way through an epoch saves the position after its last step (Lightning
 counts that epoch as finished, so a resume with a larger limit would skip the rest of the epoch).
