@@ -9,7 +9,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CPU_TEST_CONFIG = ROOT / "configs" / "cpu_test.yaml"
+CPU_TEST_CONFIG = ROOT / "configs" / "cpu_test.yaml"  # the example task's CPU preset
+TINY_CONFIG = ROOT / "tests" / "tiny.yaml"  # the tests' own task (tests/tiny.py): what machinery tests train
 
 
 def pytest_configure(config):
@@ -77,7 +78,7 @@ def made_once(path: Path):
 
 
 @pytest.fixture(scope="session")
-def parity(tmp_path_factory, data_dir):
+def parity(tmp_path_factory):
     """``parity(name, *args, mpirun=0)``: the saved result of one ``tests/parity_run.py`` run, made once a session
     (once for all xdist workers: tests that share a run may run side by side)."""
     from tests.parity import launch_of, run_parity
@@ -87,7 +88,7 @@ def parity(tmp_path_factory, data_dir):
     @cache
     def get(name: str, *args: str, mpirun: int = 0) -> dict:
         with made_once(out_dir / (launch_of(name) or name)):
-            return run_parity(out_dir, data_dir, name, *args, mpirun=mpirun)
+            return run_parity(out_dir, name, *args, mpirun=mpirun)
 
     return get
 

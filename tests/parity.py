@@ -37,7 +37,7 @@ def one_process(args: tuple[str, ...]) -> bool:
     return value("--devices", "1") == "1" or value("--strategy", "auto") == "dp"
 
 
-def run_parity(out_dir: Path, data_dir: Path, name: str, *args: str, mpirun: int = 0) -> dict:
+def run_parity(out_dir: Path, name: str, *args: str, mpirun: int = 0) -> dict:
     """Run the case once. One-process cases run in this process (the launchers are not what they test, and a new
     interpreter costs seconds of imports); every multi-process case runs as a user runs the script; the variants
     of :data:`LAUNCHES` run together, in one launch of their own."""
@@ -51,13 +51,13 @@ def run_parity(out_dir: Path, data_dir: Path, name: str, *args: str, mpirun: int
         raise ValueError(f"parity run {name!r} is made in the launch {launch!r} with {LAUNCHES[launch][1][name]}")
     recorded.write_text(wanted)
     if not out.exists() and launch is not None:
-        run_launch(out_dir, data_dir, launch)
+        run_launch(out_dir, launch)
     elif not out.exists() and not mpirun and one_process(args):
         from tests import parity_run
 
-        parity_run.main([str(out), "--data-dir", str(data_dir), *args])
+        parity_run.main([str(out), *args])
     elif not out.exists():
-        cmd = [sys.executable, str(SCRIPT), str(out), "--data-dir", str(data_dir), *args]
+        cmd = [sys.executable, str(SCRIPT), str(out), *args]
         if mpirun:
             cmd = [str(MPIRUN), "-np", str(mpirun), "--oversubscribe", *cmd]
         run_command(cmd)
@@ -66,7 +66,9 @@ def run_parity(out_dir: Path, data_dir: Path, name: str, *args: str, mpirun: int
 
 def run_command(cmd: list[str]) -> None:
     run = warm.run if cmd[0] == sys.executable and cmd[1].endswith(".py") else subprocess.run
-    result = run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, **MPI_ENV})
+    # PYTHONPATH: the runs train tests.tiny's task, which every launched process imports (as a user's own package)
+    environ = {**os.environ, **MPI_ENV, "PYTHONPATH": str(ROOT)}
+    result = run(cmd, capture_output=True, text=True, timeout=600, env=environ)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
 
 
@@ -75,11 +77,11 @@ def launch_of(name: str) -> str | None:
     return next((launch for launch, (_, runs) in LAUNCHES.items() if name in runs), None)
 
 
-def run_launch(out_dir: Path, data_dir: Path, launch: str) -> None:
+def run_launch(out_dir: Path, launch: str) -> None:
     """Every run of ``launch``, one after another in the same processes (``parity_run.py --batch``)."""
     launcher, runs = LAUNCHES[launch]
     batch = out_dir / f"{launch}.json"
-    batch.write_text(json.dumps([[str(out_dir / f"{n}.pt"), "--data-dir", str(data_dir), *a] for n, a in runs.items()]))
+    batch.write_text(json.dumps([[str(out_dir / f"{n}.pt"), *a] for n, a in runs.items()]))
     script = [str(SCRIPT), "--batch", str(batch)]
     if launcher == "torchrun":
         run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *script])

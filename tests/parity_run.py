@@ -3,28 +3,25 @@
 Run as a script so that every launcher works as a user would use it: Lightning's ddp re-runs this file for its
 children, ddp_spawn pickles the trainer, mpirun starts it once per rank, and horovod self-launches under mpirun.
 
-    python tests/parity_run.py OUT --data-dir D --strategy ddp --devices 2 --batch-size 8
+    python tests/parity_run.py OUT --strategy ddp --devices 2 --batch-size 8
     torchrun --standalone --nproc_per_node=2 tests/parity_run.py --batch RUNS.json    # several runs, one launch
 """
 
 import argparse
 import json
 import sys
-from functools import partial
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
 import app  # noqa: F401  (registers dp and horovod)
 from app.callbacks import ActivationCheckpointing, DDPCommHook, LRWarmup, SyncBatchNorm
-from app.fashion_mnist.data import FashionMNISTDataModule
-from app.fashion_mnist.model import ImageClassifier
+from tests.tiny import TinyClassifier, TinyData
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("--data-dir", required=True)
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -38,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--checkpointing", action="store_true", help="add the ActivationCheckpointing callback")
     parser.add_argument("--comm-hook", help="add DDPCommHook with this hook (fp16, bf16, powersgd)")
     parser.add_argument("--powersgd-rank", type=int, default=1)
+    parser.add_argument("--train-size", type=int, default=512)
     parser.add_argument("--val-size", type=int, default=101)
     parser.add_argument("--warmup-steps", type=int, default=0, help="add LRWarmup (linear scaling rule) if > 0")
     args = parser.parse_args(argv)
@@ -53,12 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         callbacks.append(LRWarmup(warmup_steps=args.warmup_steps, scale_lr="linear", reference_batch=8))
 
     seed_everything(1234)
-    model = ImageClassifier(
-        arch="resnet_tiny", norm=args.norm, optimizer=partial(torch.optim.SGD, lr=args.lr, momentum=0.9)
-    )
-    data = FashionMNISTDataModule(
-        data_dir=args.data_dir, source="synthetic", batch_size=args.batch_size, val_size=args.val_size
-    )
+    model = TinyClassifier(norm=args.norm, lr=args.lr)
+    data = TinyData(batch_size=args.batch_size, train_size=args.train_size, val_size=args.val_size)
     strategy = args.strategy
     if args.compression:
         from app.strategies import HorovodStrategy

@@ -1,7 +1,7 @@
 """A test-only callback: each rank appends the training samples of every batch it starts to a file of its own.
 
-Samples are named by their image's bytes, looked up in the datamodule's training set: the record does not depend
-on the loader's bookkeeping that the tests check. One JSON line per batch:
+Samples are named by their input's bytes, looked up in the data module's training set (a ``TensorDataset``): the
+record does not depend on the loader's bookkeeping that the tests check. One JSON line per batch:
 ``{"rank", "world", "epoch", "step", "ids", "time"}``, where ``step`` is the optimizer step count before the batch.
 """
 
@@ -22,10 +22,10 @@ class RecordSamples(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
-        images = trainer.datamodule.train_set.images
+        images = trainer.datamodule.train_set.tensors[0]
         self._ids = {image.numpy().tobytes(): i for i, image in enumerate(images)}
         if len(self._ids) != len(images):
-            raise AssertionError("two training images are identical: they cannot name samples")
+            raise AssertionError("two training inputs are identical: they cannot name samples")
         self.folder.mkdir(parents=True, exist_ok=True)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("TEMPLATE_MPI_RESTART", "0"))
         name = f"restart{restart}-rank{trainer.global_rank}-pid{os.getpid()}.jsonl"

@@ -27,24 +27,24 @@ from torch.utils.data import DistributedSampler, TensorDataset
 from app.checkpoint_io import CHECKPOINT_FORMAT, FORMAT_KEY, check_compatible, load_checkpoint
 from app.elastic import agent_id, finished_run_of, mark_run, run_of, take_launcher_numbers
 from app.errors import UserError
-from app.fashion_mnist.model import DEFAULT_SGD
 from app.launcher import torchrun_job
 from app.loader import ResumableLoader, ResumableSampler
 from app.strategies import HorovodStrategy
 from tests import warm
-from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
+from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import MPI_ENV
 from tests.record_samples import read_records
+from tests.tiny import LR, TinyClassifier
 
-SAMPLES, BATCH = 48, 4  # a training set of 48 (val_size = 60000 - 48), 4 per device: 6 steps an epoch on 2 devices
+SAMPLES, BATCH = 48, 4  # a training set of 48, 4 per device: 6 steps an epoch on 2 devices
 EPOCHS = 2
 
 
-def fit_args(data_dir, root: Path, records: Path, *more: str) -> list[str]:
+def fit_args(root: Path, records: Path, *more: str) -> list[str]:
     record = {"class_path": "tests.record_samples.RecordSamples", "init_args": {"folder": str(records)}}
     return [
-        *(str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}"),
-        *(f"--data.val_size={60000 - SAMPLES}", f"--data.batch_size={BATCH}", "--trainer.limit_train_batches=null"),
+        *(str(ROOT / "cli.py"), "fit", "--config", str(TINY_CONFIG), f"--data.train_size={SAMPLES}"),
+        *(f"--data.batch_size={BATCH}", "--trainer.limit_train_batches=null"),
         *(f"--trainer.max_epochs={EPOCHS}", f"--trainer.default_root_dir={root}"),
         "--trainer.callbacks+=" + json.dumps(record),
         *more,
@@ -90,14 +90,14 @@ def start_agent(
 
 
 @pytest.mark.slow
-def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_once(tmp_path, data_dir):
+def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_once(tmp_path):
     """Two torchrun agents (nodes); after step 3 one node's agent and worker are SIGKILLed. The survivor's collective
     fails, it saves the state after step 3, torchrun restarts it at world size 1, and it resumes from that state with
     accumulate_grad_batches 2 (the same global batch), in the same run folder."""
     root, records = tmp_path / "runs", tmp_path / "records"
     port = find_free_network_port()
     lose = {"class_path": "tests.lose_node.LoseNodeAtStep", "init_args": {"step": 3}}
-    args = fit_args(data_dir, root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(lose))
+    args = fit_args(root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(lose))
 
     survivor = start_agent(tmp_path, "survivor", port, args, is_host=True)  # the store must outlive the lost node
     time.sleep(1)
@@ -139,7 +139,7 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
 
 
 @pytest.mark.slow
-def test_a_node_that_joins_mid_epoch_is_taken_in_and_each_sample_trained_once(tmp_path, data_dir):
+def test_a_node_that_joins_mid_epoch_is_taken_in_and_each_sample_trained_once(tmp_path):
     """One torchrun agent trains alone; after its step 3 a second agent joins. torchrun stops the worker with
     SIGTERM (preemption: last.ckpt after the step), both agents re-form the job at world size 2, and the run goes on
     from that state in the same folder. A global batch of 4 cannot be kept on 2 devices of 4: the learning rate is
@@ -147,7 +147,7 @@ def test_a_node_that_joins_mid_epoch_is_taken_in_and_each_sample_trained_once(tm
     root, records = tmp_path / "runs", tmp_path / "records"
     port = find_free_network_port()
     wait = {"class_path": "tests.lose_node.WaitForNodeAtStep", "init_args": {"step": 3, "world_size": 1}}
-    args = fit_args(data_dir, root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(wait))
+    args = fit_args(root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(wait))
 
     first = start_agent(tmp_path, "first", port, args, is_host=True, last_call=2)  # forms the job alone
     joining = None
@@ -178,7 +178,7 @@ def test_a_node_that_joins_mid_epoch_is_taken_in_and_each_sample_trained_once(tm
     final = load_checkpoint(run / "checkpoints" / "last.ckpt")
     left_in_epoch_0 = math.ceil((SAMPLES - saved * BATCH) / (2 * BATCH))
     assert final["global_step"] == saved + left_in_epoch_0 + SAMPLES // (2 * BATCH)
-    assert {group["lr"] for group in final["optimizer_states"][0]["param_groups"]} == {2 * DEFAULT_SGD["lr"]}
+    assert {group["lr"] for group in final["optimizer_states"][0]["param_groups"]} == {2 * LR}
     assert_each_sample_once_per_epoch(read_records(records), resumed_at_step=saved, world_before=1)
     with (run / "metrics.csv").open(newline="") as f:
         steps = [int(row["step"]) for row in csv.DictReader(f)]
@@ -191,13 +191,13 @@ def test_a_node_that_joins_mid_epoch_is_taken_in_and_each_sample_trained_once(tm
 
 
 @pytest.mark.slow
-def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one_each_sample_once(tmp_path, data_dir):
+def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one_each_sample_once(tmp_path):
     """SIGTERM on rank 1 of a 2-process ddp run mid-epoch, then ``--ckpt_path last`` with one device: the rest of the
     epoch is dealt out to the one process, and the run ends at the step count of an unbroken 2-process run."""
     root, records = tmp_path / "runs", tmp_path / "records"
     stop = {"class_path": "tests.signal_at_step.SignalAtStep", "init_args": {"step": 2, "rank": 1}}
     stopped = warm.run(
-        [sys.executable, *fit_args(data_dir, root, records, "--trainer.strategy=ddp", "--trainer.devices=2")]
+        [sys.executable, *fit_args(root, records, "--trainer.strategy=ddp", "--trainer.devices=2")]
         + ["--trainer.callbacks+=" + json.dumps(stop)],
         cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240,
     )  # fmt: skip
@@ -208,7 +208,7 @@ def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one_each_sample_once
     assert checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["samples"] == step * 2 * BATCH
 
     resumed = warm.run(
-        [sys.executable, *fit_args(data_dir, root, records, "--trainer.devices=1", "--ckpt_path=last")],
+        [sys.executable, *fit_args(root, records, "--trainer.devices=1", "--ckpt_path=last")],
         cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -219,14 +219,14 @@ def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one_each_sample_once
 
 
 @pytest.mark.slow
-def test_a_lost_horovod_rank_is_restarted_from_the_survivors_state_each_sample_once(tmp_path, data_dir):
+def test_a_lost_horovod_rank_is_restarted_from_the_survivors_state_each_sample_once(tmp_path):
     """The horovod strategy starts its own 2 ranks with max_restarts=1; after step 3 rank 1 is SIGKILLed. mpirun
     (with recovery) keeps rank 0 alive, whose collective fails; it saves the state after step 3 and reports it. The
     launcher restarts on the surviving rank from that state, in the same run folder, keeping the global batch."""
     root, records, elsewhere = tmp_path / "runs", tmp_path / "records", tmp_path / "elsewhere"
     elsewhere.mkdir()
     lose = {"class_path": "tests.lose_node.LoseRankAtStep", "init_args": {"step": 3, "rank": 1}}
-    args = fit_args(data_dir, root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
+    args = fit_args(root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
     args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(lose)]
     result = warm.run(
         [sys.executable, *args], cwd=elsewhere, env=env(**MPI_ENV), capture_output=True, text=True, timeout=300
@@ -423,7 +423,7 @@ def test_a_restart_after_the_run_finished_trains_nothing(monkeypatch, tmp_path, 
     job, logs = torchrun_job(), tmp_path / "lightning_logs"
     (logs / "version_0").mkdir(parents=True)
     mark_run(logs / "version_0", job, finished=True, agents=[agent_id()])
-    base = ["--config", str(CPU_TEST_CONFIG), f"--trainer.default_root_dir={tmp_path}", "--trainer.strategy=ddp"]
+    base = ["--config", str(TINY_CONFIG), f"--trainer.default_root_dir={tmp_path}", "--trainer.strategy=ddp"]
     with pytest.raises(SystemExit) as stop, caplog.at_level(logging.INFO):
         run_cli("fit", *base)
     assert stop.value.code == 0
@@ -443,9 +443,7 @@ def test_torchrun_refuses_more_minimum_nodes_than_maximum(tmp_path):
 
 
 def test_a_checkpoint_from_a_newer_format_is_refused_in_one_line(tmp_path):
-    from app.fashion_mnist.model import ImageClassifier
-
-    module = ImageClassifier(arch="resnet_tiny")
+    module = TinyClassifier()
     checkpoint = {FORMAT_KEY: CHECKPOINT_FORMAT + 1, "hyper_parameters": dict(module.hparams), "state_dict": {}}
     with pytest.raises(UserError) as error:
         check_compatible(checkpoint, tmp_path / "future.ckpt", module)

@@ -209,13 +209,14 @@ def test_ddp_compression_hook_on_cpu_is_within_its_rounding(parity, hook, unit_r
 
 @pytest.mark.slow
 def test_powersgd_reaches_the_accuracy_of_uncompressed_ddp(parity):
-    """600 steps on the synthetic data, 1000 validation images: PowerSGD at rank 4 ends within 0.02 of plain
-    allreduce (measured 0.963 vs 0.967; rank 1 lags at this length: 0.84 vs 0.95). Plain allreduce over 2 ranks at
-    batch 16 is one device at batch 32 (the parity tests prove it), so the reference runs in this process."""
-    common = ["--steps", "600", "--lr", "0.1", "--precision", "32-true", "--val-size", "1000"]
-    plain = parity("one_device_600_steps", "--devices", "1", "--batch-size", "32", *common)
+    """150 steps of tests/tiny.py's task, 1000 validation images: PowerSGD at rank 1 (the rank that compresses this
+    small network's matrices: torch skips a matrix that rank r would shrink less than 2x) ends within 0.02 of plain
+    allreduce (measured 0.967 vs 0.966). Plain allreduce over 2 ranks at batch 16 is one device at batch 32 (the
+    parity tests prove it), so the reference runs in this process."""
+    common = ["--steps", "150", "--lr", "0.02", "--precision", "32-true", "--val-size", "1000", "--train-size", "4800"]
+    plain = parity("one_device_150_steps", "--devices", "1", "--batch-size", "32", *common)
     ddp = ["--strategy", "ddp", "--devices", "2", "--batch-size", "16", *common]
-    powersgd = parity("ddp_powersgd_600_steps", *ddp, "--comm-hook", "powersgd", "--powersgd-rank", "4")
+    powersgd = parity("ddp_powersgd_150_steps", *ddp, "--comm-hook", "powersgd", "--powersgd-rank", "1")
     assert plain["metrics"]["val/acc"] > 0.9  # trained far enough for the comparison to mean something
     assert abs(powersgd["metrics"]["val/acc"] - plain["metrics"]["val/acc"]) < 0.02
     assert relative_error_of(powersgd, plain) > 1e-3  # and it did compress: another trajectory

@@ -69,7 +69,7 @@ def test_ddp_in_float32_matches_one_device_up_to_summation_order(parity):
     reference = parity("reference_float32", *REFERENCE, "--precision", "32-true")
     result = parity("ddp_float32", *CASES["ddp"], "--precision", "32-true")
     check_steps("ddp", result, reference)
-    assert reference["state_dict"]["net.conv1.weight"].dtype == torch.float32
+    assert reference["state_dict"]["conv1.weight"].dtype == torch.float32
     assert relative_error(result, reference) < FLOAT32_TOLERANCE
 
 
@@ -193,9 +193,9 @@ def test_horovod_backend_without_horovod_says_why():
 
 @pytest.mark.skipif(not horovod_available(), reason="horovod is not importable (no release builds against torch>=2.1)")
 @pytest.mark.slow
-def test_horovod_backend_trains_like_one_device(tmp_path, data_dir):
-    reference = run_parity(tmp_path, data_dir, "reference", *REFERENCE)
-    result = run_parity(tmp_path, data_dir, "hvd", *CASES["horovod_self_launched"], mpirun=2)
+def test_horovod_backend_trains_like_one_device(tmp_path):
+    reference = run_parity(tmp_path, "reference", *REFERENCE)
+    result = run_parity(tmp_path, "hvd", *CASES["horovod_self_launched"], mpirun=2)
     assert relative_error(result, reference) < TOLERANCE
 
 
