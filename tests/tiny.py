@@ -68,6 +68,7 @@ class TinyClassifier(LightningModule):
         self.blocks = nn.Sequential(*(Block(width, norm) for _ in range(blocks)))
         self.head = nn.Linear(width * SIZE * SIZE, classes)
         self.train_loss = MeanMetric()  # the epoch's mean over all ranks' samples
+        self.train_acc = MulticlassAccuracy(classes, average="micro")
         self.val_acc = MulticlassAccuracy(classes, average="micro")
         self.val_loss = MeanMetric()  # over all ranks' samples (sync_dist would average unequal shards' means)
         self.test_acc = MulticlassAccuracy(classes, average="micro")
@@ -78,10 +79,13 @@ class TinyClassifier(LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
         self.log("train/loss", loss, prog_bar=True, batch_size=len(y))
         self.train_loss(loss.detach(), weight=len(y))
+        self.train_acc(logits.detach(), y)
         self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
