@@ -97,6 +97,17 @@ class ProgressBar(RichProgressBar):
         if self.is_enabled:
             log_above_the_bar()
 
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Every rank reads the epoch's metrics here, together, before rank 0's bar does.
+
+        Lightning's bar reads them on rank 0 only, and the first read of the epoch computes the torchmetrics objects a
+        module logged with ``on_epoch=True`` in ``training_step``: a collective. Alone on rank 0 it waited forever
+        for the other ranks (a fork's task hung under ddp and horovod; Lightning issue 21264). Later reads, the
+        bar's and the loggers', get the values computed here."""
+        if trainer.world_size > 1:
+            trainer.progress_bar_metrics  # noqa: B018  (the read is the point: it computes on every rank)
+        super().on_train_epoch_end(trainer, pl_module)
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The bar is finished: leave it where it is, so what is printed at the end of the run (the run report)
         comes below it, not above a bar redrawn under everything."""
