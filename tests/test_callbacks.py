@@ -17,12 +17,11 @@ from app.callbacks.activation_checkpointing import apply_activation_checkpointin
 from app.callbacks.sync_batchnorm import AllReduceBatchNorm, convert_batchnorm
 from app.callbacks.warmup import lr_scale, warmup_factor
 from app.errors import UserError
-from app.fashion_mnist.model import ImageClassifier
-from app.fashion_mnist.networks import build_resnet
 from bench.checkpointing import saved_bytes
 from tests import warm
-from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
+from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import BN_WARMUP, REFERENCE, TOLERANCE, VARIANT_CASES, buffer_error, relative_error
+from tests.tiny import LR, TinyClassifier
 
 
 # ================================================================================================ SyncBatchNorm
@@ -82,15 +81,15 @@ def test_allreduce_batchnorm_equals_one_process_on_the_whole_batch(tmp_path):
 def test_allreduce_batchnorm_without_process_group_is_plain_batchnorm():
     torch.manual_seed(0)
     plain = nn.BatchNorm2d(4)
-    converted = build_resnet("resnet_tiny")
-    reference = build_resnet("resnet_tiny")
+    converted = TinyClassifier()
+    reference = TinyClassifier()
     reference.load_state_dict(converted.state_dict())
     assert convert_batchnorm(converted, AllReduceBatchNorm) == sum(
         isinstance(m, nn.BatchNorm2d) for m in reference.modules()
     )
     assert not any(type(m) is nn.BatchNorm2d for m in converted.modules())
     assert converted.state_dict().keys() == reference.state_dict().keys()  # checkpoints stay interchangeable
-    x = torch.randn(4, 1, 28, 28)
+    x = torch.randn(4, 1, 8, 8)
     torch.testing.assert_close(converted(x), reference(x), atol=0, rtol=0)
     assert isinstance(plain, nn.BatchNorm2d)
 
@@ -115,11 +114,10 @@ def test_sync_batchnorm_ddp_and_horovod_train_like_one_device(parity, name):
 
 
 @pytest.mark.slow
-def test_sync_batchnorm_with_trainer_sync_batchnorm_too_converts_once(workdir, data_dir):
+def test_sync_batchnorm_with_trainer_sync_batchnorm_too_converts_once(workdir):
     """Lightning's own conversion (torch.nn.SyncBatchNorm) would fail on CPU: the callback's is the only one."""
     result = cli_fit(
         workdir,
-        data_dir,
         "--trainer.strategy=ddp",
         "--trainer.devices=2",
         "--trainer.sync_batchnorm=true",
@@ -128,8 +126,8 @@ def test_sync_batchnorm_with_trainer_sync_batchnorm_too_converts_once(workdir, d
     assert "BatchNorm layers synchronized across 2 processes (AllReduceBatchNorm" in result.stdout + result.stderr
 
 
-def test_sync_batchnorm_is_a_no_op_on_one_process_and_warns_under_dp(workdir, data_dir, capsys):
-    module = ImageClassifier(arch="resnet_tiny")
+def test_sync_batchnorm_is_a_no_op_on_one_process_and_warns_under_dp(workdir, capsys):
+    module = TinyClassifier()
     from lightning.pytorch import Trainer
 
     for strategy, devices in (("auto", 1), ("dp", 2)):
@@ -173,8 +171,8 @@ def logged_lrs(version_dir) -> dict[int, float]:
         return {int(r["step"]): float(r["train/lr"]) for r in csv.DictReader(f) if r.get("train/lr")}
 
 
-def expected_lr(step: int, *, global_batch: int, warmup: int = 6, main=lambda t: 0.1) -> float:
-    """0.1 (the default SGD lr) x linear rule (reference 32) x linear warmup from 0.1 over ``warmup`` steps."""
+def expected_lr(step: int, *, global_batch: int, warmup: int = 6, main=lambda t: LR) -> float:
+    """The task's lr x linear rule (reference 32) x linear warmup from 0.1 over ``warmup`` steps."""
     return main(step) * global_batch / 32 * warmup_factor(step, warmup, 0.1)
 
 
@@ -193,31 +191,25 @@ def check_lrs(version_dir, steps: int, **kwargs) -> None:
         assert lr == pytest.approx(expected_lr(step, **kwargs), rel=1e-6), step
 
 
-def fit_one_epoch(data_dir, *extra: str) -> None:
-    """``cli.py fit`` on the CPU test preset, one epoch, in this process."""
-    run_cli("fit", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--trainer.max_epochs=1", *extra)
+def fit_one_epoch(*extra: str) -> None:
+    """``cli.py fit`` on the tests' own task, one epoch, in this process."""
+    run_cli("fit", "--config", str(TINY_CONFIG), "--trainer.max_epochs=1", *extra)
 
 
-def cli_fit(workdir, data_dir, *extra: str) -> None:
-    """``python cli.py fit`` on the CPU test preset in its own process (multi-process strategies need one)."""
-    cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG), "--data.data_dir"]
-    cmd += [str(data_dir), "--trainer.max_epochs=1", *extra]
-    result = warm.run(cmd, capture_output=True, text=True, timeout=300, cwd=workdir, env=dict(os.environ))
+def cli_fit(workdir, *extra: str) -> None:
+    """``python cli.py fit`` on the tests' own task in its own process (multi-process strategies need one)."""
+    cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(TINY_CONFIG), "--trainer.max_epochs=1", *extra]
+    environ = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = warm.run(cmd, capture_output=True, text=True, timeout=300, cwd=workdir, env=environ)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
 
 @pytest.mark.slow
-def test_warmup_composes_with_a_step_scheduler_single_device(workdir, data_dir, caplog):
-    """8 steps, batch 16: StepLR halves every 3 steps underneath, unshifted; warmup and scale multiply it."""
-    scheduler = [
-        "--model.lr_scheduler=StepLR",
-        "--model.lr_scheduler.step_size=3",
-        "--model.lr_scheduler.gamma=0.5",
-        "--model.lr_scheduler_interval=step",
-    ]
-    fit_one_epoch(data_dir, *WARMUP, *scheduler)
-    check_lrs(workdir / "lightning_logs" / "version_0", 8, global_batch=16, main=lambda t: 0.1 * 0.5 ** (t // 3))
+def test_warmup_composes_with_a_step_scheduler_single_device(workdir, caplog):
+    """8 steps, batch 16: the task's StepLR halves every 3 steps underneath, unshifted; warmup and scale multiply it."""
+    fit_one_epoch(*WARMUP, "--model.lr_step=3")
+    check_lrs(workdir / "lightning_logs" / "version_0", 8, global_batch=16, main=lambda t: LR * 0.5 ** (t // 3))
 
 
 @pytest.mark.slow
@@ -229,16 +221,16 @@ def test_warmup_composes_with_a_step_scheduler_single_device(workdir, data_dir, 
         ("ddp", ["--trainer.accumulate_grad_batches=2"], 4, 64),  # x 2 accumulation; 8 batches = 4 steps
     ],
 )
-def test_warmup_and_scaling_rule_under_strategies(workdir, data_dir, strategy, extra, steps, global_batch):
-    result = cli_fit(workdir, data_dir, f"--trainer.strategy={strategy}", "--trainer.devices=2", *WARMUP, *extra)
+def test_warmup_and_scaling_rule_under_strategies(workdir, strategy, extra, steps, global_batch):
+    result = cli_fit(workdir, f"--trainer.strategy={strategy}", "--trainer.devices=2", *WARMUP, *extra)
     check_lrs(workdir / "lightning_logs" / "version_0", steps, global_batch=global_batch)
     assert f"global batch {global_batch} = 16 per device x 2 devices" in result.stderr + result.stdout
 
 
 @pytest.mark.slow
-def test_warmup_resumes_mid_warmup(workdir, data_dir):
+def test_warmup_resumes_mid_warmup(workdir):
     """Stop after 4 of 6 warmup steps, resume from last.ckpt: the LR carries on from step 4, as closed form says."""
-    base = ["--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--trainer.limit_train_batches=4"]
+    base = ["--config", str(TINY_CONFIG), "--trainer.limit_train_batches=4"]
     run_cli("fit", *base, "--trainer.max_epochs=1", *WARMUP)
     last = workdir / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     run_cli("fit", *base, "--trainer.max_epochs=3", *WARMUP, "--ckpt_path", str(last))
@@ -278,14 +270,14 @@ def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool = F
 
 
 def _dropout_net() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), Block(8), Block(8), nn.Flatten(), nn.Linear(8 * 28 * 28, 10))
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), Block(8), Block(8), nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize(
     ("build", "targets"),
-    [(lambda: build_resnet("resnet_tiny"), ("BasicBlock",)), (_dropout_net, ("1", "2"))],
-    ids=["resnet_tiny-batchnorm", "dropout-blocks-by-path"],
+    [(TinyClassifier, ("Block",)), (_dropout_net, ("1", "2"))],
+    ids=["tiny-batchnorm", "dropout-blocks-by-path"],
 )
 def test_checkpointing_changes_no_loss_gradient_or_buffer(build, targets, autocast):
     torch.manual_seed(0)
@@ -293,7 +285,7 @@ def test_checkpointing_changes_no_loss_gradient_or_buffer(build, targets, autoca
     ckpt = build().train()
     ckpt.load_state_dict(plain.state_dict())
     assert apply_activation_checkpointing(ckpt, targets)
-    x, y = torch.randn(6, 1, 28, 28), torch.randint(0, 10, (6,))
+    x, y = torch.randn(6, 1, 8, 8), torch.randint(0, 4, (6,))
     for _ in range(2):  # the second step starts from the buffers the first one left
         loss, grads, buffers = _step(plain, x, y, autocast)
         loss_c, grads_c, buffers_c = _step(ckpt, x, y, autocast)
@@ -307,19 +299,19 @@ def test_checkpointing_changes_no_loss_gradient_or_buffer(build, targets, autoca
     assert not any(type(m).__name__.startswith("Checkpointed") for m in ckpt.modules())
 
 
-def test_checkpointing_halves_what_resnet18_keeps_for_backward():
+def test_checkpointing_halves_what_a_deep_network_keeps_for_backward():
     torch.manual_seed(0)
-    model = build_resnet("resnet18").train()
-    x = torch.randn(32, 1, 28, 28)
+    model = TinyClassifier(width=32, blocks=8).train()
+    x = torch.randn(32, 1, 8, 8)
     before = saved_bytes(model, x)
-    apply_activation_checkpointing(model, ("BasicBlock",))
+    apply_activation_checkpointing(model, ("Block",))
     after = saved_bytes(model, x)
-    print(f"resnet18 batch 32 saved for backward: {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB")
+    print(f"8 blocks, batch 32, saved for backward: {before / 2**20:.2f} MiB -> {after / 2**20:.2f} MiB")
     assert after <= before / 2, (before, after)
 
 
 def test_checkpointing_that_matches_nothing_names_the_flag():
-    module = ImageClassifier(arch="resnet_tiny")
+    module = TinyClassifier()
     with pytest.raises(UserError, match=r"--trainer.callbacks.modules=\['Transformer'\] matches no module"):
         ActivationCheckpointing(["Transformer"]).setup(None, module, "fit")
 
@@ -333,9 +325,8 @@ def test_checkpointing_under_strategies_trains_like_one_device(parity, name):
 
 
 @pytest.mark.slow
-def test_all_callbacks_together_with_bf16_through_the_cli(workdir, data_dir, capsys):
+def test_all_callbacks_together_with_bf16_through_the_cli(workdir, capsys):
     fit_one_epoch(
-        data_dir,
         "--trainer.precision=bf16-mixed",
         "--trainer.callbacks+=app.callbacks.ActivationCheckpointing",
         "--trainer.callbacks+=app.callbacks.SyncBatchNorm",
@@ -351,9 +342,9 @@ def test_all_callbacks_together_with_bf16_through_the_cli(workdir, data_dir, cap
 
 # ================================================================================================ RunReport
 @pytest.mark.slow
-def test_run_report_rows_per_device_for_dp_and_ddp(workdir, data_dir):
+def test_run_report_rows_per_device_for_dp_and_ddp(workdir):
     for strategy in ("dp", "ddp"):
-        result = cli_fit(workdir, data_dir, f"--trainer.strategy={strategy}", "--trainer.devices=2")
+        result = cli_fit(workdir, f"--trainer.strategy={strategy}", "--trainer.devices=2")
         out = result.stdout
         assert f"Run report: {strategy}, 2 device(s)" in out, out[-2000:]
         table = out[out.index("Run report") :]
@@ -395,11 +386,10 @@ def test_activation_checkpointing_refuses_a_compiled_model_in_one_line():
     """torch.compile needs a checkpoint's context_fn to return TorchDispatchModes (and Dynamo keeps a bound method's
     plain function): the pair failed deep in Dynamo at the first step. Now it is one line naming both (issue 35)."""
     from app.callbacks.activation_checkpointing import COMPILE_REFUSED, apply_activation_checkpointing
-    from app.fashion_mnist.networks import build_resnet
 
-    net = build_resnet("resnet_tiny", num_classes=10, norm="batch")
-    assert apply_activation_checkpointing(net, ("BasicBlock",))
+    net = TinyClassifier()
+    assert apply_activation_checkpointing(net, ("Block",))
     net.compile(backend="aot_eager")  # the mechanism of inductor's, without a C compiler's minutes
     with pytest.raises(UserError) as error:
-        net(torch.randn(2, 1, 28, 28)).sum().backward()
+        net(torch.randn(2, 1, 8, 8)).sum().backward()
     assert str(error.value) == COMPILE_REFUSED

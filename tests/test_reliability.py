@@ -537,7 +537,7 @@ def tmpfs(path: Path, options: str):
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 4 MiB file system: room for one checkpoint of the tiny task at width 128 (2.7 MB), not two."""
+    """A 4 MiB file system: room for one checkpoint of the tiny task at width 96 (2.9 MB), not two."""
     with tmpfs(tmp_path / "small", "size=4m") as path:
         yield path
 
@@ -549,7 +549,7 @@ def read_only_disk(tmp_path):
 
 
 def test_a_full_disk_stops_the_run_in_one_line_and_keeps_what_was_written(small_disk):
-    result = fit(small_disk, "--model.width=128", "--trainer.max_epochs=1", f"--trainer.default_root_dir={small_disk}")
+    result = fit(small_disk, "--model.width=96", "--trainer.max_epochs=1", f"--trainer.default_root_dir={small_disk}")
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]

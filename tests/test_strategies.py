@@ -84,9 +84,9 @@ def test_horovod_fp16_compression_is_close_but_lossy(parity):
 
 
 # bf16-mixed against one device in bf16-mixed. Autocast rounds convolution inputs to bf16 (8 bits of mantissa), and
-# another batch split rounds other partial sums: measured 3.2e-4 (ddp, ddp_spawn, horovod) and 3.5e-4 (dp) after 4
-# steps. Wrong reductions land near 2.5e-3 (measured: a sum for the mean 2.4e-3, one rank's half batch alone 2.7e-3).
-BF16_TOLERANCE = 1e-3
+# another batch split rounds other partial sums: measured 2.3e-3 (ddp) after 4 steps of tests/tiny.py's task. Wrong
+# reductions land far above (measured: one rank's half batch alone 5.0e-2; a sum for the mean doubles every update).
+BF16_TOLERANCE = 1e-2
 
 
 @pytest.mark.slow

@@ -10,6 +10,8 @@ as a fork would (``spec`` and :func:`app.loader.make_loader`), and nothing of ``
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
@@ -33,15 +35,18 @@ def norm_layer(kind: str, channels: int) -> nn.Module:
 
 
 class Block(nn.Module):
-    """conv-norm-relu with a skip: the unit activation checkpointing wraps (``spec.blocks``)."""
+    """Two conv-norm layers with a skip (ResNet's basic block): the unit activation checkpointing wraps."""
 
     def __init__(self, width: int, norm: str) -> None:
         super().__init__()
-        self.conv = nn.Conv2d(width, width, 3, padding=1, bias=False)
-        self.norm = norm_layer(norm, width)
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.norm1 = norm_layer(norm, width)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1, bias=False)
+        self.norm2 = norm_layer(norm, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(x + self.norm(self.conv(x)))
+        out = torch.relu(self.norm1(self.conv1(x)))
+        return torch.relu(x + self.norm2(self.conv2(out)))
 
 
 class TinyClassifier(LightningModule):
@@ -52,7 +57,9 @@ class TinyClassifier(LightningModule):
         lr_flag="--model.lr",
     )  # fmt: skip
 
-    def __init__(self, width: int = 4, blocks: int = 2, classes: int = 4, norm: str = "batch", lr: float = LR) -> None:
+    def __init__(
+        self, width: int = 4, blocks: int = 2, classes: int = 4, norm: str = "batch", lr: float = LR, lr_step: int = 0
+    ) -> None:
         """
         Args:
             width: Channels of every convolution.
@@ -60,6 +67,7 @@ class TinyClassifier(LightningModule):
             classes: Output classes (the data's ``classes``).
             norm: ``batch`` or ``group`` normalization.
             lr: SGD's learning rate (momentum 0.9).
+            lr_step: Halve the learning rate every ``lr_step`` optimizer steps (a StepLR); 0: keep it.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -105,8 +113,12 @@ class TinyClassifier(LightningModule):
         probs = self(batch[0]).softmax(dim=1)
         return {"preds": probs.argmax(dim=1), "probs": probs}
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        if not self.hparams.lr_step:
+            return optimizer
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=self.hparams.lr_step, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def make_images(count: int, classes: int, seed: int) -> TensorDataset:
