@@ -17,7 +17,7 @@ from app.errors import UserError
 from app.reductions import adasum, fusion_buckets, segment_index
 from app.strategies import HorovodStrategy
 from tests import reduction_run, warm
-from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
+from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import CASES, MPI_ENV, MPIRUN, REFERENCE
 from tests.parity import relative_error as relative_error_of
 
@@ -333,7 +333,7 @@ def test_a_refused_option_is_one_line_through_the_cli(flags, workdir, capsys):
     """A class refusing a value while the CLI builds it: jsonargparse wraps the message in its own union error;
     the user gets ours, one line, exit 2, and no run folder."""
     with pytest.raises(SystemExit) as exit_info:
-        run_cli("fit", *flags, "--data.source=synthetic")
+        run_cli("fit", "--config", str(TINY_CONFIG), *flags)
     assert exit_info.value.code == 2
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith(("error: --trainer.strategy.", "error: --trainer.callbacks."))
@@ -341,12 +341,13 @@ def test_a_refused_option_is_one_line_through_the_cli(flags, workdir, capsys):
 
 
 @pytest.mark.slow
-def test_bad_input_found_in_the_self_launched_horovod_ranks_is_one_line(tmp_path, data_dir):
+def test_bad_input_found_in_the_self_launched_horovod_ranks_is_one_line(tmp_path):
     """DDPCommHook under horovod is refused inside the ranks (where the strategy is known): the launcher prints the
     ranks' message once, exit 2, with no traceback from any rank or from the launcher."""
-    cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}"]
+    cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(TINY_CONFIG)]
     cmd += ["--trainer.strategy=horovod", "--trainer.devices=2", "--trainer.callbacks+=app.callbacks.DDPCommHook"]
-    result = warm.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, **MPI_ENV})
+    environ = {**os.environ, **MPI_ENV, "PYTHONPATH": str(ROOT)}
+    result = warm.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=environ)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
