@@ -5,6 +5,7 @@ The machinery's tests (tests/test_*.py) train the tests' own task (tests/tiny.py
 its own task's tests.
 """
 
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -133,3 +134,19 @@ def test_bad_input_of_the_example_is_one_line_exit_2_and_nothing_overwritten(
     assert last_line.startswith("error: ") and expected in last_line, last_line
     assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
     assert [p.name for p in (bad_input_dir / "lightning_logs").iterdir()] == ["version_0"]
+
+
+def test_export_refuses_non_finite_weights(tmp_path):
+    from app.errors import UserError
+    from app.fashion_mnist.export import export
+    from app.fashion_mnist.model import ImageClassifier
+
+    module = ImageClassifier(arch="resnet_tiny")
+    state = {f"net.{k}": v for k, v in module.net.state_dict().items()}
+    state["net.fc.weight"] = torch.full_like(state["net.fc.weight"], float("nan"))
+    ckpt = tmp_path / "nan.ckpt"
+    torch.save({"state_dict": state, "hyper_parameters": {"arch": "resnet_tiny", "num_classes": 10}}, ckpt)
+    with pytest.raises(UserError, match=r"nan.ckpt: 1 weight tensor\(s\) hold inf or nan \(e.g. fc.weight\)"):
+        export(ckpt, tmp_path / "m.pt")
+    assert not (tmp_path / "m.pt").exists()
+    assert os.listdir(tmp_path) == ["nan.ckpt"]
