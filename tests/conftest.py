@@ -20,16 +20,6 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="session")
-def data_dir(tmp_path_factory) -> Path:
-    """Synthetic Fashion-MNIST IDX files, written once per test session."""
-    from app.fashion_mnist.data import FashionMNISTDataModule
-
-    path = tmp_path_factory.mktemp("data")
-    FashionMNISTDataModule(data_dir=str(path), source="synthetic").prepare_data()
-    return path
-
-
 @pytest.fixture
 def workdir(tmp_path, monkeypatch) -> Path:
     """Run in a fresh folder, so lightning_logs/ of each test is its own."""

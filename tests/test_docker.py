@@ -83,30 +83,3 @@ def test_slurm_script_matches_its_preset():
     assert int(sbatch["nodes"]) == preset["num_nodes"]
     assert int(sbatch["ntasks-per-node"]) == preset["devices"] == int(sbatch["gpus-per-node"])
     assert "srun python cli.py fit" in text
-
-
-def test_launch_presets_compose_with_the_full_recipe(workdir, capsys):
-    import pytest
-
-    from tests.conftest import run_cli
-
-    for name, strategy, nodes in [
-        ("ddp_4gpu", "ddp", 1),
-        ("multinode_ddp", "ddp", 2),
-        ("multinode_horovod", "horovod", 2),
-    ]:
-        with pytest.raises(SystemExit):
-            run_cli(
-                "fit",
-                "--config",
-                str(ROOT / "configs" / "fashion_mnist.yaml"),
-                "--config",
-                str(ROOT / "configs" / f"{name}.yaml"),
-                "--print_config",
-            )
-        config = yaml.safe_load(capsys.readouterr().out)
-        assert config["model"]["arch"] == "resnet18" and config["data"]["augment"] is True
-        trainer = config["trainer"]
-        assert (trainer["strategy"], trainer["num_nodes"], trainer["devices"]) == (strategy, nodes, 4)
-        callbacks = [c["class_path"] for c in trainer["callbacks"]]
-        assert callbacks == ["app.callbacks.LRWarmup"]  # the defaults are added when the trainer is built

@@ -62,6 +62,20 @@ def test_the_machinery_never_imports_the_example_task():
     assert "'app.fashion_mnist" not in loaded and "'app.cli'" in loaded, loaded[-2000:]
 
 
+def test_the_machinery_tests_never_use_the_example_task():
+    """tests/*.py train the tests' own task (tests/tiny.py): a fork that replaces app/fashion_mnist and
+    tests/fashion_mnist keeps them. Only tests/fashion_mnist/ imports the example, names its presets or reads its data
+    (its data_dir fixture lives there: a test outside asking for it is not collected)."""
+    machinery = [p for p in (ROOT / "tests").glob("*.py") if p.name != "test_fork.py"]  # this file names the seam
+    assert len(machinery) > 20
+    for path in machinery:
+        wrong = sorted(name for name in _imports(path) if name.startswith("app.fashion_mnist"))
+        assert not wrong, f"{path.relative_to(ROOT)} imports the example task: {wrong}"
+        text = path.read_text()
+        for name in ("cpu_test.yaml", "CPU_TEST_CONFIG", "fashion_mnist.yaml", "quickstart.yaml", "data_dir"):
+            assert name not in text or path.name == "conftest.py" and name != "data_dir", f"{path.name}: {name}"
+
+
 def test_count_samples_reads_any_usual_batch():
     assert count_samples(torch.zeros(5, 3)) == 5
     assert count_samples((torch.zeros(4, 1, 28, 28), torch.zeros(4))) == 4

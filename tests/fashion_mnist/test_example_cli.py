@@ -109,3 +109,26 @@ def test_bad_value_is_one_line_error_with_exit_2(workdir):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == ["error: --model.optimizer: Invalid learning rate: -0.1"]
     assert not (workdir / "lightning_logs").exists()
+
+
+def test_launch_presets_compose_with_the_full_recipe(workdir, capsys):
+    for name, strategy, nodes in [
+        ("ddp_4gpu", "ddp", 1),
+        ("multinode_ddp", "ddp", 2),
+        ("multinode_horovod", "horovod", 2),
+    ]:
+        with pytest.raises(SystemExit):
+            run_cli(
+                "fit",
+                "--config",
+                str(ROOT / "configs" / "fashion_mnist.yaml"),
+                "--config",
+                str(ROOT / "configs" / f"{name}.yaml"),
+                "--print_config",
+            )
+        config = yaml.safe_load(capsys.readouterr().out)
+        assert config["model"]["arch"] == "resnet18" and config["data"]["augment"] is True
+        trainer = config["trainer"]
+        assert (trainer["strategy"], trainer["num_nodes"], trainer["devices"]) == (strategy, nodes, 4)
+        callbacks = [c["class_path"] for c in trainer["callbacks"]]
+        assert callbacks == ["app.callbacks.LRWarmup"]  # the defaults are added when the trainer is built

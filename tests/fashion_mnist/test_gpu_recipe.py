@@ -1,0 +1,72 @@
+"""On a CUDA device: the example's fast recipe trains, and a training step never makes the host wait for the GPU.
+
+Skipped where there is no CUDA device (this project's CI machine). On CPU the same property is checked by
+counting host reads at the dispatcher (tests/fashion_mnist/test_speed_options.py); here CUDA itself reports every
+synchronising call (``torch.cuda.set_sync_debug_mode("error")`` turns each into an exception).
+"""
+
+import csv
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from tests.conftest import CPU_TEST_CONFIG, run_cli
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+class NoSyncInSteps(Callback):
+    """Every CUDA synchronisation from the start of batch 2 to the start of the second-to-last batch raises."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        inside = 2 <= batch_idx < trainer.num_training_batches - 2
+        torch.cuda.set_sync_debug_mode("error" if inside else "default")
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def _fit(data_dir, *args: str) -> list[dict]:
+    run_cli(
+        "fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}", "--trainer.accelerator=gpu",
+        "--trainer.precision=bf16-mixed", "--model.channels_last=true", "--data.augment=true",
+        "--data.batch_size=64", "--trainer.max_epochs=1", "--trainer.limit_train_batches=12",
+        "--trainer.log_every_n_steps=1000", "--trainer.enable_progress_bar=true", *args,
+    )  # fmt: skip
+    with open("lightning_logs/version_0/metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.parametrize("strategy", ["auto", "dp", "ddp"])
+def test_no_cuda_sync_inside_training_steps(workdir, data_dir, strategy):
+    rows = _fit(
+        data_dir,
+        f"--trainer.strategy={strategy}",
+        "--trainer.devices=1",
+        "--trainer.callbacks+=tests.fashion_mnist.test_gpu_recipe.NoSyncInSteps",
+    )
+    assert any(r.get("train/acc") for r in rows)  # the epoch finished and logged
+
+
+def test_compiled_recipe_trains(workdir, data_dir):
+    rows = _fit(data_dir, "--model.compile=true", "--trainer.log_every_n_steps=1", "--trainer.limit_train_batches=40")
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) == 40 and sum(losses[-5:]) < sum(losses[:5])
+
+
+@pytest.mark.parametrize("strategy", ["dp", "horovod"])
+def test_16_mixed_trains_with_a_gradient_scaler(workdir, data_dir, strategy):
+    """16-mixed on CUDA: Lightning's GradScaler scales the loss; with dp and horovod (mpi backend, nccl) the run
+    trains and the scaler's state is in the checkpoint."""
+    rows = _fit(
+        data_dir,
+        f"--trainer.strategy={strategy}",
+        "--trainer.devices=1",
+        "--trainer.precision=16-mixed",
+        "--trainer.log_every_n_steps=1",
+    )
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) == 12 and all(loss == loss for loss in losses)  # finite, not NaN
+    checkpoint = torch.load("lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    assert "MixedPrecision" in checkpoint and checkpoint["MixedPrecision"]["scale"] > 0
