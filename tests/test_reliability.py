@@ -589,3 +589,48 @@ def test_a_lost_rank_verdict_waits_while_a_survivor_saves_its_state():
         assert not acted.wait(0.3)  # ... but the process is not ended while the state is written
     assert acted.wait(5)
     judge.join(5)
+
+
+def test_a_store_that_answers_just_after_the_timeout_keeps_the_watchdog_watching():
+    """Rank 0 stalled a little past --watchdog.timeout, then went on: its store answered late. The watchdog thread
+    died of a KeyError there (issue 34, item 7) and watched nothing for the rest of the run; it must go on watching,
+    and still judge a peer that stops answering for good."""
+    import threading
+
+    from app.callbacks.rank_watchdog import Heartbeat
+
+    class SlowOnceStore:
+        def __init__(self) -> None:
+            self.calls, self.beats, self.frozen = 0, {}, False
+
+        def set(self, key, value) -> None:
+            pass
+
+        def check(self, keys) -> bool:
+            return False
+
+        def add(self, key, amount) -> int:
+            self.calls += 1
+            if self.calls == 3:
+                time.sleep(0.5)  # past the 0.3 s timeout, back within the 2 intervals the watchdog waits
+            if key.endswith("/0") and not self.frozen:
+                self.beats[key] = self.beats.get(key, 0) + 1  # rank 0 beats while it is not frozen
+            return self.beats.get(key, 0) + amount
+
+    errors = []
+    hook, threading.excepthook = threading.excepthook, lambda args: errors.append(args.exc_value)
+    try:
+        store = SlowOnceStore()
+        heartbeat = Heartbeat(store, rank=1, world_size=2, timeout=0.3, interval=0.2, prefix="test")
+        lost = []
+        heartbeat.on_lost = lambda ranks, reason: lost.append((ranks, reason))
+        heartbeat.start()
+        time.sleep(2.5)
+        assert not errors and heartbeat.is_alive() and not heartbeat.verdict.is_set(), (errors, lost)
+        assert store.calls > 6  # it went on exchanging after the slow answer
+        store.frozen = True  # now rank 0 stops beating for good: judged lost after the timeout
+        assert heartbeat.verdict.wait(5), "a peer that stopped was not judged lost"
+        assert heartbeat.lost_ranks == [0] and "has not answered" in heartbeat.reason
+    finally:
+        heartbeat._halt.set()
+        threading.excepthook = hook

@@ -98,6 +98,8 @@ class Heartbeat(threading.Thread):
             if call.is_alive() or "error" in outcome:
                 if self._halt.wait(2 * self.interval):  # finishing normally: the store closes as rank 0 exits
                     return
+                if not call.is_alive() and "error" not in outcome:  # it answered late (rank 0 stalled, then went
+                    continue  # on): slow, not gone; watch on
                 why = (
                     f"has not answered for {self.timeout:.0f} s (its process is stopped or hangs)"
                     if call.is_alive()
