@@ -86,6 +86,12 @@ def take_launcher_numbers(trainer_config, job: TorchrunJob, devices_given: bool 
             f"--trainer.strategy={name} starts its own workers, but torchrun started this process as one of "
             f"{job.world_size}; under torchrun use --trainer.strategy=ddp (one process per device)"
         )
+    if name == "horovod" or name.endswith(".HorovodStrategy"):  # each worker would start an mpirun of its own
+        raise UserError(
+            f"--trainer.strategy={name} runs its ranks under mpirun, but torchrun started this process as one of "
+            f"{job.world_size}; under torchrun use --trainer.strategy=ddp, or run horovod without torchrun (python "
+            "cli.py ... starts mpirun itself; docs/strategies.md)"
+        )
     devices = trainer_config.devices
     if devices in ("auto", None, -1, "-1") or not devices_given:
         trainer_config.devices = job.local_world_size

@@ -365,6 +365,7 @@ def test_devices_and_nodes_come_from_torchrun_when_not_given(monkeypatch):
         ({"num_nodes": 2}, "--trainer.num_nodes=2, but torchrun started 3 node(s) (--nnodes)"),
         ({"strategy": "dp"}, "--trainer.strategy=dp starts its own workers, but torchrun started this process as one"),
         ({"strategy": "ddp_spawn"}, "under torchrun use --trainer.strategy=ddp"),
+        ({"strategy": "horovod"}, "--trainer.strategy=horovod runs its ranks under mpirun, but torchrun started"),
     ],
 )
 def test_settings_that_disagree_with_torchrun_are_one_line(monkeypatch, settings, message):
@@ -440,6 +441,34 @@ def test_torchrun_refuses_more_minimum_nodes_than_maximum(tmp_path):
     )  # fmt: skip
     assert result.returncode != 0
     assert "min_nodes must be > 0 and <= max_nodes, got min_nodes=2, max_nodes=1" in result.stderr
+
+
+@pytest.mark.slow
+def test_horovod_under_torchrun_is_one_line_per_node_and_writes_nothing(tmp_path):
+    """Each torchrun worker would start an mpirun of its own (ports collide, a version folder each, tracebacks):
+    refused before anything runs, one line, and torchrun reports the failure (issue 34, item 8)."""
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(ROOT / "cli.py"),
+    ]
+    command += [
+        "fit",
+        "--config",
+        str(TINY_CONFIG),
+        "--trainer.strategy=horovod",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env())
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "runs its ranks under mpirun, but torchrun started" in errors[0], result.stderr[-3000:]
+    # the one traceback is torchrun's own report of a failed worker; the workers print none
+    assert result.stderr.count("Traceback") <= 1 and "ChildFailedError" in result.stderr, result.stderr[-3000:]
+    assert not (tmp_path / "lightning_logs").exists()
 
 
 def test_a_checkpoint_from_a_newer_format_is_refused_in_one_line(tmp_path):
