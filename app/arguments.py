@@ -7,8 +7,10 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+import math
 import re
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import yaml
@@ -216,3 +218,40 @@ def strategy_options_by_name(argv: list[str]) -> list[str]:
 
 def _yaml_value(value: str | int | float | bool) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+TIMEOUT_FLAG = "--trainer.strategy.timeout"
+TIMEOUT_HINT = "use a finite duration > 0, in seconds (600) or as H:MM:SS (0:10:00)"
+
+
+def timeout_in_seconds(argv: list[str]) -> list[str]:
+    """``--trainer.strategy.timeout`` (the process group's timeout, a ``timedelta``) also in seconds: ``=600`` is
+    ``=0:10:00``. A duration that is not above zero is one line: torch took it and failed in C++ at the first
+    collective, a hundred lines of frames."""
+    out = list(argv)
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"{TIMEOUT_FLAG}="):
+            at, value = i, arg.split("=", 1)[1]
+        elif arg == TIMEOUT_FLAG and i + 1 < len(argv):
+            at, value = i + 1, argv[i + 1]
+        else:
+            continue
+        try:
+            seconds = float(value)
+        except ValueError:
+            continue  # H:MM:SS: jsonargparse reads it, check_timeout checks it
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise UserError(f"{TIMEOUT_FLAG}={value}: {TIMEOUT_HINT}")
+        duration = str(timedelta(seconds=seconds))
+        out[at] = f"{TIMEOUT_FLAG}={duration}" if at == i else duration
+    return out
+
+
+def check_timeout(strategy) -> None:
+    """The process group's timeout, however it was given (a flag, a YAML file): above zero."""
+    init_args = getattr(strategy, "init_args", None) or (
+        strategy.get("init_args") if isinstance(strategy, dict) else None
+    )
+    timeout = init_args.get("timeout") if init_args is not None and hasattr(init_args, "get") else None
+    if isinstance(timeout, timedelta) and timeout.total_seconds() <= 0:
+        raise UserError(f"{TIMEOUT_FLAG}={timeout}: {TIMEOUT_HINT}")

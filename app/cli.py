@@ -21,7 +21,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 
 import app  # noqa: F401  (registers the dp and horovod strategies)
-from app.arguments import Parser, check_config_files, strategy_options_by_name
+from app.arguments import Parser, check_config_files, check_timeout, strategy_options_by_name, timeout_in_seconds
 from app.callbacks import RankWatchdog
 from app.callbacks.elastic import ElasticRunFolder
 from app.checkpoint_io import SafeCheckpointIO
@@ -112,10 +112,11 @@ class CLI(CkptPathRule, LightningCLI):
         if not isinstance(argv, list):
             super().parse_arguments(parser, args)
         else:
-            self.config = parser.parse_args(strategy_options_by_name(argv))
+            self.config = parser.parse_args(strategy_options_by_name(timeout_in_seconds(argv)))
         subcommand = self.config.get("subcommand")
         trainer = (self.config[subcommand] if subcommand else self.config).trainer
         check_strategy_name(trainer.strategy)
+        check_timeout(trainer.strategy)
         check_devices(trainer.devices)
         check_trainer_numbers(trainer)
         self._seed_line = HeldRecords("lightning.fabric.utilities.seed")  # printed once the classes are built

@@ -75,8 +75,9 @@ def test_validate_without_ckpt_path_says_the_network_is_untrained(workdir, caplo
             ["--trainer.strategy", "ddp_find_unused_parameters_true", "--trainer.strategy.timeout=0:10:00"],
             {"find_unused_parameters": True, "timeout": "0:10:00"},
         ),
+        (["--trainer.strategy=ddp", "--trainer.strategy.timeout=600"], {"timeout": "0:10:00"}),  # in seconds
     ],
-    ids=["horovod", "registry preset"],
+    ids=["horovod", "registry preset", "timeout in seconds"],
 )
 def test_a_strategy_name_takes_the_strategy_options(flags, want, workdir, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -19,6 +19,7 @@ collective. A rank that finishes marks itself done, so an early finisher is neve
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import socket
@@ -160,6 +161,9 @@ class Heartbeat(threading.Thread):
             self.store.add(self._key("beat", self.rank), DONE)
 
 
+MIN_TIMEOUT = 1.0
+
+
 class RankWatchdog(Callback):
     def __init__(self, timeout: float = 60.0, interval: float | None = None) -> None:
         """
@@ -168,10 +172,17 @@ class RankWatchdog(Callback):
                 the same host whose process has exited is noticed within ``interval``.
             interval: Seconds between heartbeats (default: timeout / 10, at most 1).
         """
-        if timeout <= 0:
-            raise UserError(f"--watchdog.timeout={timeout:g}: use a number of seconds > 0 (default 60)")
-        if interval is not None and interval <= 0:
-            raise UserError(f"--watchdog.interval={interval:g}: use a number of seconds > 0, or leave it unset")
+        # Below a second, a busy machine's store calls alone outlast the timeout: healthy ranks were judged lost.
+        if not math.isfinite(timeout) or timeout < MIN_TIMEOUT:
+            raise UserError(
+                f"--watchdog.timeout={timeout:g}: use a number of seconds >= {MIN_TIMEOUT:g} (default 60); a rank is "
+                "judged lost after this long without a heartbeat"
+            )
+        if interval is not None and (not math.isfinite(interval) or interval <= 0 or interval > timeout):
+            raise UserError(
+                f"--watchdog.interval={interval:g}: use a number of seconds > 0 and <= --watchdog.timeout, or leave "
+                "it unset"
+            )
         self.timeout = float(timeout)
         self.interval = float(interval) if interval else min(1.0, self.timeout / 10)
         self._heartbeat: Heartbeat | None = None

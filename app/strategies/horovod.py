@@ -29,6 +29,7 @@ Horovod semantics, on both backends:
 
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
@@ -101,8 +102,8 @@ class HorovodStrategy(ParallelStrategy):
             )
         if max_restarts < 0:
             raise UserError(f"--trainer.strategy.max_restarts={max_restarts} must be >= 0 (0: no restarts)")
-        if fusion_mb < 0:
-            raise UserError(f"--trainer.strategy.fusion_mb={fusion_mb} must be >= 0 (0: no fusion)")
+        if not math.isfinite(fusion_mb) or fusion_mb < 0:
+            raise UserError(f"--trainer.strategy.fusion_mb={fusion_mb} must be a finite number >= 0 (0: no fusion)")
         if backend == "horovod" and not horovod_available():
             raise UserError(
                 "--trainer.strategy.backend=horovod needs the horovod package, which is not importable (its last "
