@@ -8,7 +8,10 @@
 - load: always ``torch.load(weights_only=True)`` (plain tensors and containers; a checkpoint carrying a pickled
   object is refused, not executed), remote ``http(s)://`` paths only when allowed, and one-line errors.
 
-Every checkpoint it writes carries the template's format number (:data:`FORMAT_KEY`); :func:`check_compatible` is
+Every checkpoint it writes carries a digest of each tensor (:data:`CHECKSUM_KEY`), checked when it is loaded: torch
+keeps no checksum of its own, and a file damaged on a disk or in a copy loaded silently (4 KiB of 0xff in the
+middle of a last.ckpt resumed, then "diverged"). It also carries the template's format number (:data:`FORMAT_KEY`);
+:func:`check_compatible` is
 the rule a run applies before it loads one: not from a newer template, written by the model class this run builds,
 with the network the task's :class:`~app.task.TaskSpec` names, and every tensor in the shape the network has.
 """
@@ -16,6 +19,7 @@ with the network the task's :class:`~app.task.TaskSpec` names, and every tensor 
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import pickle
 import re
@@ -98,7 +102,7 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
             "lightning_logs/version_N/checkpoints/last.ckpt"
         )
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        loaded = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError:
         raise UserError(
             f"{path}: refused: it holds pickled Python objects, not only tensors and plain data, and nothing is "
@@ -110,6 +114,52 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
         raise UserError(
             f"{path}: not a loadable checkpoint, truncated or corrupt ({type(err).__name__}: {reason})"
         ) from None
+    if isinstance(loaded, dict):
+        check_digests(loaded, path)
+    return loaded
+
+
+CHECKSUM_KEY = "template_checksum"
+
+
+def tensor_digests(checkpoint: dict[str, Any]) -> dict[str, str]:
+    """A BLAKE2b digest of each tensor's dtype, shape and bytes, by its path in the checkpoint
+    (``state_dict/net.conv1.weight``, ``optimizer_states/0/state/3/momentum_buffer``).
+
+    Per tensor, so that a checkpoint edited on purpose (optimizer states dropped, a hyperparameter changed, then
+    saved again) still loads, while bytes damaged inside a tensor are found."""
+    digests: dict[str, str] = {}
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().to("cpu").contiguous()
+            digest = hashlib.blake2b(f"{tensor.dtype}{tuple(tensor.shape)}".encode(), digest_size=16)
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+            digests[path] = digest.hexdigest()
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if not (value is checkpoint and key == CHECKSUM_KEY):
+                    walk(item, f"{path}/{key}" if path else str(key))
+        elif isinstance(value, list | tuple):
+            for i, item in enumerate(value):
+                walk(item, f"{path}/{i}")
+
+    walk(checkpoint, "")
+    return digests
+
+
+def check_digests(loaded: dict[str, Any], path: str | Path) -> None:
+    """Every tensor that has a digest recorded in the checkpoint still matches it."""
+    recorded = loaded.get(CHECKSUM_KEY)
+    if not isinstance(recorded, dict):
+        return
+    damaged = [name for name, digest in tensor_digests(loaded).items() if recorded.get(name, digest) != digest]
+    if damaged:
+        raise UserError(
+            f"{path}: damaged: {len(damaged)} tensor(s) no longer match the checksums written with them (e.g. "
+            f"{damaged[0]}; a disk, copy or transfer error); pass another checkpoint, such as an epoch=N.ckpt beside "
+            f"it (a checkpoint changed on purpose: delete its '{CHECKSUM_KEY}' entry)"
+        )
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
@@ -122,6 +172,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
         checkpoint.setdefault(FORMAT_KEY, CHECKPOINT_FORMAT)
+        checkpoint[CHECKSUM_KEY] = tensor_digests(checkpoint)
         atomic_torch_save(checkpoint, path)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:

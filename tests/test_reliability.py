@@ -495,6 +495,53 @@ def test_bad_input_is_one_line_error_exit_2_and_nothing_overwritten(case, bad_in
     assert not (bad_input_dir / "PWNED").exists()
 
 
+def test_a_checkpoint_damaged_inside_is_refused_naming_the_file(tmp_path):
+    """torch keeps no checksum: 4 KiB of 0xff in the middle of a checkpoint loaded, and a resume "diverged". The
+    digest written with every checkpoint is checked on load (issue 34, item 13); checkpoints without one (Lightning's
+    own, older ones) load as before."""
+    from app.checkpoint_io import CHECKSUM_KEY, SafeCheckpointIO
+
+    io = SafeCheckpointIO()
+    state = {"state_dict": {"w": torch.randn(256, 256), "step": torch.tensor(7)}, "epoch": 3, "loops": {"a": [1, 2.5]}}
+    io.save_checkpoint(dict(state), tmp_path / "good.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "good.ckpt")
+    assert CHECKSUM_KEY in loaded and torch.equal(loaded["state_dict"]["w"], state["state_dict"]["w"])
+    data = bytearray((tmp_path / "good.ckpt").read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 4096] = b"\xff" * 4096
+    (tmp_path / "damaged.ckpt").write_bytes(data)
+    assert torch.load(tmp_path / "damaged.ckpt", weights_only=True)["epoch"] == 3  # torch alone takes it
+    for load in (io.load_checkpoint, load_checkpoint):
+        with pytest.raises(UserError) as error:
+            load(tmp_path / "damaged.ckpt")
+        assert str(error.value).startswith(f"{tmp_path / 'damaged.ckpt'}: damaged: 1 tensor(s) no longer match")
+        assert "e.g. state_dict/w;" in str(error.value)
+    torch.save(state, tmp_path / "plain.ckpt")  # no digest: loads as before
+    assert load_checkpoint(tmp_path / "plain.ckpt")["epoch"] == 3
+    edited = {k: v for k, v in loaded.items() if k != "loops"}  # changed on purpose and saved again: loads
+    edited["state_dict"] = {"w": loaded["state_dict"]["w"]}
+    torch.save(edited, tmp_path / "edited.ckpt")
+    assert load_checkpoint(tmp_path / "edited.ckpt")["epoch"] == 3
+
+
+def test_resuming_from_a_damaged_last_ckpt_is_one_line_and_changes_nothing(bad_input_dir, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(bad_input_dir / "lightning_logs", run / "lightning_logs")
+    last = run / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=True)
+    weight = next(k for k, v in checkpoint["state_dict"].items() if v.numel() >= 1024)
+    data = bytearray(last.read_bytes())
+    at = data.find(checkpoint["state_dict"][weight].reshape(-1)[:256].numpy().tobytes())  # inside that tensor's bytes
+    assert at > 0
+    data[at : at + 1024] = b"\xff" * 1024
+    last.write_bytes(data)
+    result = fit(run, "--ckpt_path=last", "--trainer.max_epochs=2")
+    assert result.returncode == 2, result.stderr[-3000:]
+    relative = last.relative_to(run)  # --ckpt_path last names it as found under the run's root
+    assert result.stderr.strip().splitlines()[-1].startswith(f"error: {relative}: damaged: 1 tensor(s) no longer")
+    assert sorted(p.name for p in (run / "lightning_logs").iterdir()) == ["version_0"]
+
+
 def test_loading_a_checkpoint_never_runs_its_code(bad_input_dir, monkeypatch):
     monkeypatch.chdir(bad_input_dir)
     with pytest.raises(UserError, match="refused: it holds pickled Python objects"):
