@@ -184,7 +184,7 @@ def test_adasum_needs_a_power_of_two_number_of_ranks():
     [
         ({"op": "median"}, "--trainer.strategy.op='median' must be one of average, sum, adasum"),
         ({"op": "adasum", "gradient_predivide_factor": 2.0}, "gradient_predivide_factor .* unless"),
-        ({"fusion_mb": -1}, "--trainer.strategy.fusion_mb=-1 must be >= 0"),
+        ({"fusion_mb": -1}, "--trainer.strategy.fusion_mb=-1 must be a finite number >= 0"),
     ],
 )
 def test_reduction_options_are_checked(kwargs, flag):
