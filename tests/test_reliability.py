@@ -201,6 +201,25 @@ def test_sigterm_in_validation_stops_within_two_batches_and_resumes_bit_identica
         assert got[key] == expected_metrics[key], key  # epoch 1's validation included, over all its batches
 
 
+def test_a_float64_run_stopped_and_resumed_is_bitwise_an_unbroken_one(tmp_path):
+    """64-true: Lightning loads a checkpoint's weights into the module before the precision plugin makes it float64,
+    so they passed through float32 and the resumed run ended 6.7e-4 away (issue 34, item 5). The parity checks run
+    in float64: this precision above all resumes exactly."""
+    double = ("--trainer.precision=64-true", "--trainer.max_epochs=2")
+    for name in ("unbroken", "stopped"):
+        (tmp_path / name).mkdir()
+    assert fit(tmp_path / "unbroken", *double).returncode == 0
+    stopped = fit(tmp_path / "stopped", *double, signal_at_step(5, "SIGTERM", 0))
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    resumed = fit(tmp_path / "stopped", *double, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [expected] = versions(tmp_path / "unbroken")
+    final = last_ckpt(versions(tmp_path / "stopped")[-1])
+    assert final["state_dict"]["conv1.weight"].dtype == torch.float64
+    assert final["global_step"] == last_ckpt(expected)["global_step"] == 2 * STEPS_PER_EPOCH
+    assert_same_weights(final, last_ckpt(expected))
+
+
 def test_a_second_sigterm_stops_at_once_and_keeps_the_last_checkpoint(workdir):
     stopped = fit(workdir, signal_at_step(STEPS_PER_EPOCH + 2, "SIGTERM", 0, times=2))
     assert stopped.returncode == 143, stopped.stderr[-3000:]

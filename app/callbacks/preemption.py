@@ -16,6 +16,7 @@ This callback replaces it for training:
   ``128 + signal`` (143 for SIGTERM, 130 for SIGINT). A stop in validation keeps the weights of the last
   training step, and the resumed run validates that epoch again from its first batch.
 - A second signal stops at once, without a checkpoint (same exit code).
+- A resumed ``--trainer.precision=64-true`` run takes the checkpoint's float64 weights as they were saved.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ class Preemption(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
+        if str(trainer.precision).startswith("64"):
+            # Lightning restores a checkpoint's weights (after this hook) before its precision plugin makes the
+            # module float64: they were copied into float32 parameters first, and a resumed float64 run drifted from
+            # an unbroken one (6.7e-4). Made float64 now, the module takes them as saved; the plugin's own
+            # conversion later is a no-op. (The checkpoint to resume from is not known yet here.)
+            trainer.precision_plugin.convert_module(pl_module)
         self._rank, self._trainer = trainer.global_rank, trainer
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # all ranks call setup together; CPU, so no GPU sync
