@@ -220,6 +220,26 @@ def test_a_float64_run_stopped_and_resumed_is_bitwise_an_unbroken_one(tmp_path):
     assert_same_weights(final, last_ckpt(expected))
 
 
+def test_a_stop_inside_an_accumulation_window_finishes_the_window_and_resumes_exactly(tmp_path):
+    """accumulate_grad_batches=2, SIGTERM after the window's first batch: the run trained on to the window's end
+    (a stop in the window dropped that batch's gradient: the resumed run was 4.7 away; issue 34, item 2), so the
+    checkpoint is at an optimizer step and the resumed run ends bitwise where an unbroken one does."""
+    window = ("--trainer.accumulate_grad_batches=2", "--trainer.max_epochs=2")
+    for name in ("unbroken", "stopped"):
+        (tmp_path / name).mkdir()
+    assert fit(tmp_path / "unbroken", *window).returncode == 0
+    spec = {"class_path": "tests.signal_at_step.SignalAtStep", "init_args": {"batch": 1}}
+    stopped = fit(tmp_path / "stopped", *window, "--trainer.callbacks+=" + json.dumps(spec))
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    checkpoint = last_ckpt(versions(tmp_path / "stopped")[0])
+    batches = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["batches"]
+    assert batches % 2 == 0 and checkpoint["global_step"] == batches // 2, (batches, checkpoint["global_step"])
+    resumed = fit(tmp_path / "stopped", *window, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [expected] = versions(tmp_path / "unbroken")
+    assert_same_weights(last_ckpt(versions(tmp_path / "stopped")[-1]), last_ckpt(expected))
+
+
 def test_a_second_sigterm_stops_at_once_and_keeps_the_last_checkpoint(workdir):
     stopped = fit(workdir, signal_at_step(STEPS_PER_EPOCH + 2, "SIGTERM", 0, times=2))
     assert stopped.returncode == 143, stopped.stderr[-3000:]

@@ -15,6 +15,8 @@ This callback replaces it for training:
   ``python cli.py fit ... --ckpt_path last`` continues with the next batch, and every rank exits with
   ``128 + signal`` (143 for SIGTERM, 130 for SIGINT). A stop in validation keeps the weights of the last
   training step, and the resumed run validates that epoch again from its first batch.
+- With gradient accumulation, a stop agreed inside a window waits for the window's last batch (its optimizer step):
+  the gradients of the window so far are in no checkpoint, and stopping there lost them.
 - A second signal stops at once, without a checkpoint (same exit code).
 - A resumed ``--trainer.precision=64-true`` run takes the checkpoint's float64 weights as they were saved.
 """
@@ -73,6 +75,8 @@ class Preemption(Callback):
         self._trainer: Trainer | None = None
         self._announce = ""  # the "received" line, waiting for the next step's end while a bar is live
         self._local_ranks: list[subprocess.Popen] = []
+        self._decided = 0  # a stop agreed inside an accumulation window, carried out at the window's end
+        self._step_seen = -1  # the optimizer step count at the last training batch's end
 
     # ---------------------------------------------------------------- setup
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -85,6 +89,7 @@ class Preemption(Callback):
             # conversion later is a no-op. (The checkpoint to resume from is not known yet here.)
             trainer.precision_plugin.convert_module(pl_module)
         self._rank, self._trainer = trainer.global_rank, trainer
+        self._decided = 0
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             self._group = dist.new_group(backend="gloo")  # all ranks call setup together; CPU, so no GPU sync
         if trainer.checkpoint_callback is None:
@@ -94,6 +99,7 @@ class Preemption(Callback):
         self._install()
 
     def on_train_start(self, trainer, pl_module) -> None:
+        self._step_seen = trainer.global_step  # restored by now, on a resumed run
         self._install()
 
     def _install(self) -> None:
@@ -144,8 +150,15 @@ class Preemption(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self._say_received(trainer)
-        signum = self._agreed_signal(trainer)
+        signum = self._decided or self._agreed_signal(trainer)
+        stepped = trainer.global_step != self._step_seen  # this batch ended a gradient-accumulation window
+        self._step_seen = trainer.global_step
         if not signum:
+            return
+        if not stepped:
+            # Inside an accumulation window: its gradients so far are in no checkpoint, so a stop here would drop
+            # them. Every rank decided on the same batch and sees the same steps: all train on to the window's end.
+            self._decided = signum
             return
         self._collect()  # every rank issued this step's reduction: finish it before leaving
         self._local_ranks = take_over_local_ranks(trainer)  # before any rank can exit 143
