@@ -219,6 +219,49 @@ def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one_each_sample_once
 
 
 @pytest.mark.slow
+def test_batch_counts_keep_their_meaning_when_a_resume_changes_the_world_size(tmp_path):
+    """--trainer.limit_train_batches=4 counts batches per process: 4 x 2 processes = 32 samples an epoch. Resumed
+    mid-epoch on one process, the limit becomes 8 (with accumulate 2: the same 4 steps an epoch), and
+    limit_val_batches and val_check_interval alike; the run ends at an unbroken run's step with each epoch's 32
+    samples trained once. Before (issue 34, item 1), the limit stayed 4: 1 more step in epoch 0, half of epoch 1."""
+    root, records = tmp_path / "runs", tmp_path / "records"
+    limits = ("--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2", "--trainer.val_check_interval=4")
+    stop = {"class_path": "tests.signal_at_step.SignalAtStep", "init_args": {"step": 1, "rank": 1}}
+    stopped = warm.run(
+        [sys.executable, *fit_args(root, records, "--trainer.strategy=ddp", "--trainer.devices=2", *limits)]
+        + ["--trainer.callbacks+=" + json.dumps(stop)],
+        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    step = load_checkpoint(root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt")["global_step"]
+    assert 1 < step < 4  # part-way through epoch 0
+    resumed = warm.run(
+        [sys.executable, *fit_args(root, records, "--trainer.devices=1", "--ckpt_path=last", *limits)],
+        cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output[-3000:]
+    assert (
+        "2 -> 1 devices: limit_train_batches 4 -> 8, limit_val_batches 2 -> 4, val_check_interval 4 -> 8 keep the "
+        "batches of an epoch" in output
+    ), output[-3000:]
+    final = load_checkpoint(root / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt")
+    assert final["global_step"] == EPOCHS * 4
+    trained = defaultdict(list)
+    for record in read_records(records):
+        if record["world"] == 1 or record["step"] < step:
+            trained[record["epoch"]] += record["ids"]
+    assert sorted(trained) == list(range(EPOCHS))
+    for epoch, ids in trained.items():
+        assert len(ids) == len(set(ids)) == 4 * 2 * BATCH, (
+            f"epoch {epoch}: {len(ids)} samples, {len(set(ids))} distinct"
+        )
+    with (root / "lightning_logs" / "version_1" / "metrics.csv").open(newline="") as f:
+        validated = [row["step"] for row in csv.DictReader(f) if row.get("val/acc")]
+    assert len(validated) == EPOCHS  # one validation per epoch, as unbroken
+
+
+@pytest.mark.slow
 def test_a_lost_horovod_rank_is_restarted_from_the_survivors_state_each_sample_once(tmp_path):
     """The horovod strategy starts its own 2 ranks with max_restarts=1; after step 3 rank 1 is SIGKILLed. mpirun
     (with recovery) keeps rank 0 alive, whose collective fails; it saves the state after step 3 and reports it. The

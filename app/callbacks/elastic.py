@@ -7,8 +7,10 @@ On by default. Three things, each only where it applies:
   this callback lines Lightning's batch count up with the new loader, and keeps the global batch (per-device batch
   x devices x ``accumulate_grad_batches``) by changing ``accumulate_grad_batches`` when the new device count
   divides it; otherwise it keeps the per-device batch and scales the learning rate by the linear scaling rule
-  (:class:`~app.callbacks.LRWarmup` with ``scale_lr`` does its own scaling, so then it is left to it). One line
-  says what changed.
+  (:class:`~app.callbacks.LRWarmup` with ``scale_lr`` does its own scaling, so then it is left to it). Settings
+  counted in batches per process (``limit_train_batches``, ``limit_val_batches``, ``val_check_interval`` as whole
+  numbers) are rescaled to cover what they covered on the devices they were given for, or refused in one line when
+  the new count of devices cannot share them evenly. One line says what changed.
 - **A failure under a restarting launcher** (torchrun ``--max-restarts`` > 0): when a rank dies, the others'
   next collective fails. All ranks hold the same weights and optimizer state after every step, so each survivor
   writes ``last.ckpt`` at that moment, with the loop and loader position of the last completed optimizer step
@@ -53,6 +55,9 @@ from app.lightning_internals import (
 )
 from app.loader import ResumableLoader
 
+# Settings Lightning counts in batches per process (when given as a whole number)
+BATCH_COUNTS = ("limit_train_batches", "limit_val_batches", "val_check_interval")
+
 
 def _devices_per_process(trainer) -> int:
     return getattr(trainer.strategy, "devices_per_process", 1)
@@ -75,6 +80,7 @@ class Elastic(Callback):
         self.keep_global_batch = keep_global_batch
         self._shape: dict | None = None  # devices, per-device batch and accumulation of this run
         self._restored: dict | None = None  # the same, of the run the checkpoint came from
+        self._counts: dict | None = None  # the batch counts as given, and the devices they were given for
         self._last_step: tuple[int, dict] | None = None  # (global step, loops' state after it)
         self._saving_loops: dict | None = None
         self.restartable = False
@@ -97,6 +103,40 @@ class Elastic(Callback):
                 "ignore", message=r"Checkpoint directory .* exists and is not empty", module=r"lightning\.pytorch"
             )
 
+    def on_fit_start(self, trainer, pl_module) -> None:
+        """Before the loops read them: batch counts given for another world size are rescaled to this one."""
+        devices = trainer.world_size * _devices_per_process(trainer)
+        given = {name: getattr(trainer, name) for name in BATCH_COUNTS}
+        counts = (self._restored or {}).get("counts")
+        if counts and counts.get("given") == given and counts["devices"] != devices:
+            self._rescale_batch_counts(trainer, counts["devices"], devices)
+        elif counts and counts.get("given") == given:
+            pass  # the same world size
+        else:  # a fresh run, or counts given anew on purpose: they mean this world size
+            counts = {"devices": devices, "given": given}
+        self._counts = counts
+
+    def _rescale_batch_counts(self, trainer, before: int, now: int) -> None:
+        """Lightning counts these in batches per process: at another number of devices the same count covers
+        another share of the epoch (a 2-process run's ``limit_train_batches=8`` resumed on 1 trained half an
+        epoch). Each becomes the count that covers what it covered, or the change is refused in one line."""
+        changed = []
+        for name in BATCH_COUNTS:
+            value = getattr(trainer, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                continue  # a fraction of the epoch (or None) means the same at any world size
+            total = value * before
+            if total % now:
+                raise UserError(
+                    f"--trainer.{name}={value} counts batches per device, {total} over the {before} devices the "
+                    f"run started on, which {now} devices cannot share evenly; give a fraction of the epoch (such "
+                    f"as --trainer.{name}=0.5) or resume on a number of devices that divides {total}"
+                )
+            setattr(trainer, name, total // now)
+            changed.append(f"{name} {value} -> {total // now}")
+        if changed:
+            rank_zero_info(f"{before} -> {now} devices: {', '.join(changed)} keep the batches of an epoch")
+
     def on_train_start(self, trainer, pl_module) -> None:
         loader = _train_loader(trainer)
         if not isinstance(loader, ResumableLoader):
@@ -109,7 +149,12 @@ class Elastic(Callback):
             self._line_up_batches(trainer, loader)
             if self.keep_global_batch:
                 self._keep_global_batch(trainer, restored, devices, device_batch)
-        self._shape = {"devices": devices, "device_batch": device_batch, "accumulate": trainer.accumulate_grad_batches}
+        self._shape = {
+            "devices": devices,
+            "device_batch": device_batch,
+            "accumulate": trainer.accumulate_grad_batches,
+            "counts": self._counts,
+        }
         if trainer.is_global_zero:
             self._continue_metrics(trainer)
 
