@@ -520,3 +520,16 @@ def test_a_checkpoint_from_a_newer_format_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError) as error:
         check_compatible(checkpoint, tmp_path / "future.ckpt", module)
     assert f"checkpoint format {CHECKPOINT_FORMAT + 1}, this one reads up to {CHECKPOINT_FORMAT}" in str(error.value)
+
+
+def test_batch_counts_that_the_new_world_cannot_share_are_refused_in_one_line():
+    from app.callbacks import Elastic
+
+    trainer = SimpleNamespace(limit_train_batches=4, limit_val_batches=1.0, val_check_interval=None)
+    Elastic()._rescale_batch_counts(trainer, before=2, now=4)
+    assert (trainer.limit_train_batches, trainer.limit_val_batches, trainer.val_check_interval) == (2, 1.0, None)
+    trainer.limit_train_batches = 4
+    with pytest.raises(UserError) as error:
+        Elastic()._rescale_batch_counts(trainer, before=2, now=3)
+    assert str(error.value).startswith("--trainer.limit_train_batches=4 counts batches per device, 8 over the 2")
+    assert "\n" not in str(error.value)
