@@ -57,6 +57,15 @@ def restarts_possible() -> bool:
     return int(os.environ.get(MPI_RESTARTS_LEFT, "0")) > 0
 
 
+def restarts_left() -> bool:
+    """True when a failure of this start will be followed by another (torchrun or the horovod self-launch has a
+    restart left); what a rank may promise when it stops after a failure."""
+    job = torchrun_job()
+    if job is not None:
+        return job.restarts_left
+    return int(os.environ.get(MPI_RESTARTS_LEFT, "0")) > 0
+
+
 def is_restart() -> bool:
     """True in a start that a launcher made after a failure: it continues a run (torchrun restart, horovod restart)."""
     job = torchrun_job()

@@ -67,7 +67,13 @@ class TorchrunJob:
 
     @property
     def restarts_possible(self) -> bool:
+        """torchrun was given ``--max-restarts`` > 0: a failure may be followed by a start that continues the run."""
         return self.max_restarts > 0
+
+    @property
+    def restarts_left(self) -> bool:
+        """torchrun will start the job again after a failure of this start (its restarts are not used up)."""
+        return self.restart_count < self.max_restarts
 
 
 def torchrun_job() -> TorchrunJob | None:

@@ -533,3 +533,24 @@ def test_batch_counts_that_the_new_world_cannot_share_are_refused_in_one_line():
         Elastic()._rescale_batch_counts(trainer, before=2, now=3)
     assert str(error.value).startswith("--trainer.limit_train_batches=4 counts batches per device, 8 over the 2")
     assert "\n" not in str(error.value)
+
+
+def test_a_stopping_rank_promises_a_restart_only_when_one_is_left(monkeypatch, tmp_path):
+    """'The launcher restarts the job' was printed with torchrun's restarts used up and under horovod without
+    restarts (issue 34, item 10): the advice now follows what the launcher will do."""
+    from app.callbacks.rank_watchdog import what_next
+    from app.elastic import MPI_RESTARTS_LEFT
+
+    last = tmp_path / "last.ckpt"
+    last.write_bytes(b"x")
+    torchrun_env(monkeypatch, world=2, local=1, restart=2)  # --max-restarts=3: one left
+    assert what_next(last) == f"The launcher restarts the job from {last}"
+    torchrun_env(monkeypatch, world=2, local=1, restart=3)  # all used
+    assert what_next(last) == f"{last} is intact: restart with the same command plus --ckpt_path last"
+    assert what_next(None) == "No checkpoint was written yet: restart with the same command"
+    for name in ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv(MPI_RESTARTS_LEFT, "0")  # the horovod self-launch, no restarts left
+    assert what_next(last).startswith(f"{last} is intact")
+    monkeypatch.setenv(MPI_RESTARTS_LEFT, "1")
+    assert what_next(last).startswith("The launcher restarts the job")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import sys
 import warnings
 from pathlib import Path
 
@@ -42,6 +43,7 @@ from app.elastic import (
     is_restart,
     mark_run,
     report_saved_state,
+    restarts_left,
     restarts_possible,
 )
 from app.errors import TemplateWarning, UserError
@@ -57,6 +59,15 @@ from app.loader import ResumableLoader
 
 # Settings Lightning counts in batches per process (when given as a whole number)
 BATCH_COUNTS = ("limit_train_batches", "limit_val_batches", "val_check_interval")
+
+
+def say(trainer, message: str) -> None:
+    """A line from any rank (a survivor may be rank 3): rank 0's above its progress bar, the others' on stderr."""
+    if trainer.is_global_zero:
+        console_print(trainer, message)
+    else:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
 
 
 def _devices_per_process(trainer) -> int:
@@ -272,18 +283,22 @@ class Elastic(Callback):
                 trainer.save_checkpoint(path, weights_only=False)
                 strategy.checkpoint_io.save_checkpoint(captured["checkpoint"], path)
             except Exception as err:  # noqa: BLE001 - the original failure is what the user must see
-                rank = trainer.global_rank
-                console_print(trainer, f"[rank {rank}] could not save the state after step {step}: {err}")
+                say(trainer, f"[rank {trainer.global_rank}] could not save the state after step {step}: {err}")
                 return
             finally:
                 self._saving_loops = None
             self.saved_after_failure = str(path)
             report_saved_state(trainer.global_rank, str(path))
             reason = " ".join(str(exception).split())[:200]
-            console_print(
+            then = (
+                "the launcher restarts the job from there"
+                if restarts_left()
+                else "no restart is left: continue with the same command plus --ckpt_path last"
+            )
+            say(
                 trainer,
                 f"[rank {trainer.global_rank}] {type(exception).__name__}: {reason}. Saved the state after step "
-                f"{step} to {path}; the launcher restarts the job from there",
+                f"{step} to {path}; {then}",
             )
 
 

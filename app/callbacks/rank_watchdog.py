@@ -32,7 +32,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
-from app.elastic import restarts_possible
+from app.elastic import restarts_left
 from app.errors import UserError
 from app.lightning_internals import local_rank_processes
 from app.strategies.launch import process_alive
@@ -164,6 +164,16 @@ class Heartbeat(threading.Thread):
 MIN_TIMEOUT = 1.0
 
 
+def what_next(last: Path | None) -> str:
+    """What a rank that stops after a lost peer tells the user: a restart is promised only when one is left."""
+    saved = last is not None and last.is_file()
+    if restarts_left():
+        return "The launcher restarts the job" + (f" from {last}" if saved else "")
+    if saved:
+        return f"{last} is intact: restart with the same command plus --ckpt_path last"
+    return "No checkpoint was written yet: restart with the same command"
+
+
 class RankWatchdog(Callback):
     def __init__(self, timeout: float = 60.0, interval: float | None = None) -> None:
         """
@@ -206,13 +216,7 @@ class RankWatchdog(Callback):
     def _stop_process(self, ranks: list[int], reason: str) -> None:
         me = self._heartbeat.rank if self._heartbeat else "?"
         folder = getattr(self._checkpointer, "dirpath", None)
-        last = Path(folder) / "last.ckpt" if folder else None
-        if restarts_possible():
-            advice = "The launcher restarts the job" + (f" from {last}" if last is not None and last.is_file() else "")
-        elif last is not None and last.is_file():
-            advice = f"{last} is intact: restart with the same command plus --ckpt_path last"
-        else:
-            advice = "No checkpoint was written yet: restart with the same command"
+        advice = what_next(Path(folder) / "last.ckpt" if folder else None)
         message = (
             f"error: [rank {me}] lost rank {', '.join(map(str, ranks))}: {reason}. Stopping this rank (exit "
             f"{EXIT_CODE}). {advice}\n"
