@@ -94,7 +94,7 @@ def last_checkpoint(default_root_dir: str | Path = ".") -> str | None:
 DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.ProgressBar"},
     {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
-    {"class_path": "lightning.pytorch.callbacks.LearningRateMonitor"},
+    {"class_path": "app.callbacks.LearningRateMonitor"},  # Lightning's, one row per optimizer step
     {"class_path": "app.callbacks.ModelCheckpoint"},  # its settings come from the task's spec: checkpoint_options
     {"class_path": "app.callbacks.RunReport"},
     {"class_path": "app.callbacks.PredictionWriter"},

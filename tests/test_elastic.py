@@ -128,6 +128,13 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     steps = [int(row["step"]) for row in rows]
     assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == final["global_step"] - 1
     assert {row["epoch"] for row in rows if row["val/acc"]} == {"0", "1"}  # both epochs' validation, one file
+    # one row per step and metric: not the lost step in flight twice, not the learning rate once per accumulated
+    # batch (accumulate 2 after the restart), the epoch a whole number in restored rows too (issue 34, item 14)
+    logged = [
+        (row["step"], name) for row in rows for name, value in row.items() if value and name not in ("step", "epoch")
+    ]
+    assert len(logged) == len(set(logged)), sorted({x for x in logged if logged.count(x) > 1})[:5]
+    assert {row["epoch"] for row in rows} <= {"", "0", "1"}
     assert (run / "config.yaml").is_file() and (run / "config.restart1.yaml").is_file()
     # finished: a later job with the same --rdzv-id starts a run of its own; a restart by this job's agent does not
     marker = json.loads((run / "elastic.json").read_text())
@@ -293,6 +300,13 @@ def test_a_lost_horovod_rank_is_restarted_from_the_survivors_state_each_sample_o
     steps = [int(row["step"]) for row in rows]
     assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == final["global_step"] - 1
     assert {row["epoch"] for row in rows if row["val/acc"]} == {"0", "1"}  # both epochs' validation, one file
+    # one row per step and metric: not the lost step in flight twice, not the learning rate once per accumulated
+    # batch (accumulate 2 after the restart), the epoch a whole number in restored rows too (issue 34, item 14)
+    logged = [
+        (row["step"], name) for row in rows for name, value in row.items() if value and name not in ("step", "epoch")
+    ]
+    assert len(logged) == len(set(logged)), sorted({x for x in logged if logged.count(x) > 1})[:5]
+    assert {row["epoch"] for row in rows} <= {"", "0", "1"}
     assert (run / "config.yaml").is_file() and (run / "config.restart1.yaml").is_file()
     kill = max(r["time"] for r in recorded if r["world"] == 2 and r["rank"] == 1)
     first_after = min(r["time"] for r in recorded if r["world"] == 1)

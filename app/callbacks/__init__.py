@@ -5,6 +5,7 @@ from app.callbacks.checkpoint import ModelCheckpoint
 from app.callbacks.ddp_comm_hook import DDPCommHook
 from app.callbacks.divergence import StopOnNonFinite
 from app.callbacks.elastic import Elastic
+from app.callbacks.lr_monitor import LearningRateMonitor
 from app.callbacks.prediction_writer import PredictionWriter
 from app.callbacks.preemption import Preemption
 from app.callbacks.progress import ProgressBar
@@ -21,6 +22,7 @@ __all__ = [
     "Diverged",
     "Elastic",
     "LRWarmup",
+    "LearningRateMonitor",
     "ModelCheckpoint",
     "Preempted",
     "Preemption",

@@ -239,9 +239,9 @@ class Elastic(Callback):
                 rows = list(csv.DictReader(f))
             for row in rows:
                 step = int(row.pop("step"))
-                if step > trainer.global_step:
-                    continue  # logged after the state this run resumes from: it is logged again
-                values = {k: float(v) for k, v in row.items() if v not in ("", None)}
+                if step >= trainer.global_step:
+                    continue  # the step in flight when the run failed (its rows name it): this run logs it again
+                values = {k: int(float(v)) if k == "epoch" else float(v) for k, v in row.items() if v not in ("", None)}
                 if values:
                     logger.log_metrics(values, step=step)
             logger.save()
