@@ -83,11 +83,16 @@ def parity(tmp_path_factory):
     return get
 
 
-def run_cli(*args: str) -> None:
-    """Run ``cli.py`` in this process (fast: no new interpreter, no re-import of torch)."""
+# The tests' own task as cli.py's default, as a fork's cli.py names its own (the example's tests name theirs)
+TINY_TASK = {"model": "tests.tiny.TinyClassifier", "data": "tests.tiny.TinyData"}
+
+
+def run_cli(*args: str, **task: str) -> None:
+    """Run ``cli.py`` in this process (fast: no new interpreter, no re-import of torch), with the tests' own task
+    as its default (``task``: another ``model=``/``data=``): a run that names no class trains it."""
     from app.cli import main
 
-    main(list(args))
+    main(list(args), **(task or TINY_TASK))
 
 
 def python() -> str:

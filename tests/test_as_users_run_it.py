@@ -31,7 +31,7 @@ from app.cli import main
 from app.plot import epoch_metrics
 from app.strategies.launch import remove_stale_launch_folders
 from tests import warm
-from tests.conftest import ROOT, TINY_CONFIG
+from tests.conftest import ROOT, TINY_CONFIG, TINY_TASK
 
 pytestmark = pytest.mark.slow
 
@@ -206,7 +206,7 @@ def test_a_yaml_callbacks_list_keeps_the_default_callbacks(tmp_path):
 # ------------------------------------------------------------------------------------------------ CLI traps
 def one_line_error(capsys, *args: str) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        main(list(args))
+        main(list(args), **TINY_TASK)
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), lines
@@ -225,11 +225,11 @@ def test_cli_mistakes_get_one_line_with_the_fix(capsys, tmp_path):
 
 def test_help_names_the_tools_and_what_ckpt_path_takes(capsys):
     with pytest.raises(SystemExit):
-        main(["--help"])
+        main(["--help"], **TINY_TASK)
     out = " ".join(capsys.readouterr().out.split())
     assert "cli.py plot" in out and "cli.py export" in out
     with pytest.raises(SystemExit):
-        main(["fit", "--help"])
+        main(["fit", "--help"], **TINY_TASK)
     out = " ".join(capsys.readouterr().out.split())
     ckpt_help = out[out.index("--ckpt_path CKPT_PATH Checkpoint") :][:400]
     assert "'last'" in ckpt_help and "'best'" in ckpt_help and "lightning_logs/version_N/checkpoints/" in ckpt_help

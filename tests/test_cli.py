@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tests import warm
-from tests.conftest import ROOT, TINY_CONFIG, run_cli
+from tests.conftest import ROOT, TINY_CONFIG, TINY_TASK, run_cli
 
 
 def read_metrics(version_dir):
@@ -191,7 +191,7 @@ def test_only_the_subcommand_asked_for_gets_a_parser(argv, built, monkeypatch, c
         Parser, "add_method_arguments", lambda self, k, name, **kw: seen.append(name) or add(self, k, name, **kw)
     )
     with pytest.raises(SystemExit) as exit_info:
-        main(argv)
+        main(argv, **TINY_TASK)
     assert exit_info.value.code in (0, None)
     assert seen == built
     assert "fit" in capsys.readouterr().out

@@ -11,6 +11,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -24,7 +25,7 @@ from app.checks import names_class
 from app.defaults import checkpoint_options
 from app.run_dir import release_if_unused
 from app.task import TaskSpec, batch_samples, count_samples, spec_of
-from tests.conftest import ROOT
+from tests.conftest import ROOT, TINY_TASK
 from tests.test_as_users_run_it import noise, run
 
 # The example task: what a fork replaces. Everything else in app/ is machinery and must not import it.
@@ -74,6 +75,32 @@ def test_the_machinery_tests_never_use_the_example_task():
         text = path.read_text()
         for name in ("cpu_test.yaml", "CPU_TEST_CONFIG", "fashion_mnist.yaml", "quickstart.yaml", "data_dir"):
             assert name not in text or path.name == "conftest.py" and name != "data_dir", f"{path.name}: {name}"
+
+
+def test_a_fork_without_the_example_still_has_every_machinery_test(tmp_path):
+    """The fork itself: the tree without app/fashion_mnist and tests/fashion_mnist, cli.py pointed at another task.
+    Every machinery test module still imports (a test that imported bench/, which measures the example, did not),
+    and a test run through cli.py's default task trains (the in-process runs default to the tests' own task)."""
+    fork = tmp_path / "fork"
+    ignore = shutil.ignore_patterns(".git", ".venv", "lightning_logs", "__pycache__", "fashion_mnist", ".*cache")
+    shutil.copytree(ROOT, fork, ignore=ignore)
+    cli = (fork / "cli.py").read_text()
+    cli = re.sub(r'^MODEL = ".*"$', 'MODEL = "examples.sequence.SequenceRegressor"', cli, flags=re.M)
+    (fork / "cli.py").write_text(re.sub(r'^DATA = ".*"$', 'DATA = "examples.sequence.SequenceData"', cli, flags=re.M))
+    assert not (fork / "app" / "fashion_mnist").exists() and "examples.sequence" in (fork / "cli.py").read_text()
+    environ = {**os.environ, "PYTHONPATH": str(fork)}
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+        cwd=fork, env=environ, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-2000:]
+    assert re.search(r"^(\d{3}) tests collected", collected.stdout, re.M), collected.stdout[-500:]
+    ran = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cli.py", "-k",
+         "validate_without_ckpt_path or only_the_subcommand or rerunning_a_runs_config"],
+        cwd=fork, env=environ, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert ran.returncode == 0 and " passed" in ran.stdout, ran.stdout[-3000:]
 
 
 def test_count_samples_reads_any_usual_batch():
@@ -162,7 +189,7 @@ def test_a_named_class_that_cannot_be_imported_is_one_line_saying_where(tmp_path
     }
     for class_path, message in expected.items():
         with pytest.raises(SystemExit) as exit_info:
-            main(["fit", f"--model={class_path}", f"--trainer.default_root_dir={tmp_path}"])
+            main(["fit", f"--model={class_path}", f"--trainer.default_root_dir={tmp_path}"], **TINY_TASK)
         assert exit_info.value.code == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith(f"error: --model={class_path}: {message}"), err

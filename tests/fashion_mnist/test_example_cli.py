@@ -10,7 +10,8 @@ import yaml
 from app.fashion_mnist.model import ImageClassifier, load_network, network_state_dict
 from app.fashion_mnist.networks import build_resnet
 from tests import warm
-from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
+from tests.conftest import CPU_TEST_CONFIG, ROOT
+from tests.fashion_mnist.conftest import run_cli
 
 
 def test_a_relative_data_dir_is_saved_as_the_folder_it_named(workdir, data_dir, caplog):

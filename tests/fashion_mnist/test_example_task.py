@@ -15,7 +15,8 @@ import torch
 import yaml
 
 from tests import warm
-from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
+from tests.conftest import CPU_TEST_CONFIG, ROOT
+from tests.fashion_mnist.conftest import run_cli
 from tests.test_reliability import assert_same_weights, env, last_ckpt, metrics, signal_at_step, versions
 
 pytestmark = pytest.mark.slow

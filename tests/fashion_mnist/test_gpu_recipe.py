@@ -11,7 +11,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from tests.conftest import CPU_TEST_CONFIG, run_cli
+from tests.conftest import CPU_TEST_CONFIG
+from tests.fashion_mnist.conftest import run_cli
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

@@ -19,7 +19,8 @@ from app.errors import UserError
 from app.fashion_mnist.data import FashionMNISTDataModule
 from app.fashion_mnist.model import ImageClassifier
 from bench.__main__ import bench_runs, flops_per_image
-from tests.conftest import CPU_TEST_CONFIG, run_cli
+from tests.conftest import CPU_TEST_CONFIG
+from tests.fashion_mnist.conftest import run_cli
 
 
 def test_channels_last_gives_the_same_outputs_and_checkpoint_keys():

@@ -17,7 +17,8 @@ from app.fashion_mnist.model import ImageClassifier, load_network
 from app.fashion_mnist.networks import build_resnet
 from app.plot import epoch_metrics
 from tests import warm
-from tests.conftest import CPU_TEST_CONFIG, ROOT, run_cli
+from tests.conftest import CPU_TEST_CONFIG, ROOT
+from tests.fashion_mnist.conftest import run_cli
 
 
 @pytest.fixture(scope="module")
