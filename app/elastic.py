@@ -137,12 +137,31 @@ def agent_id() -> str:
     return f"{socket.gethostname()}:{os.getppid()}"
 
 
-def mark_run(folder: Path, job: TorchrunJob, finished: bool = False, agents: list[str] = ()) -> None:
+def mark_run(
+    folder: Path, job: TorchrunJob, finished: bool = False, agents: list[str] = (), shape: dict | None = None
+) -> None:
     """Name ``folder`` as the run of this torchrun job, for its restarts to find (``finished`` once it trained to
     the end: a later job with the same rendezvous id then starts a run of its own). ``agents`` are the agents of
-    the job's ranks: a restart by one of them after the run finished has nothing left to train."""
+    the job's ranks: a restart by one of them after the run finished has nothing left to train. ``shape`` is the
+    first start's devices, per-device batch and accumulation (:class:`~app.callbacks.Elastic`), kept once given: a
+    restart that finds no state to resume from still trains with the configured global batch."""
     marker = {"rdzv_id": job.run_id, "finished": finished, "agents": sorted(set(agents))}
-    (folder / MARKER).write_text(json.dumps(marker) + "\n")
+    shape = shape or run_shape(folder)
+    if shape:
+        marker["shape"] = shape
+    tmp = folder / f".{MARKER}"
+    tmp.write_text(json.dumps(marker) + "\n")
+    os.replace(tmp, folder / MARKER)
+
+
+def run_shape(folder: Path) -> dict | None:
+    """The shape of the run in ``folder`` as its first start recorded it (:func:`mark_run`), or None."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    shape = marker.get("shape") if isinstance(marker, dict) else None
+    return shape if isinstance(shape, dict) else None
 
 
 def _marked_runs(root: Path, job: TorchrunJob) -> dict[int, dict]:

@@ -40,6 +40,14 @@ SAMPLES, BATCH = 48, 4  # a training set of 48, 4 per device: 6 steps an epoch o
 EPOCHS = 2
 
 
+# The survivor is still computing the next batch when the watchdog sees the lost rank's process gone (its
+# first collective comes only after a long backward): it must live on to save its state (issue 34, item 4).
+SURVIVOR_COMPUTES = {
+    "class_path": "tests.faults.Fault",
+    "init_args": {"at": "next_batch", "step": 3, "action": "pause", "seconds": 3},
+}
+
+
 def fit_args(root: Path, records: Path, *more: str) -> list[str]:
     record = {"class_path": "tests.record_samples.RecordSamples", "init_args": {"folder": str(records)}}
     return [
@@ -98,6 +106,7 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     port = find_free_network_port()
     lose = {"class_path": "tests.lose_node.LoseNodeAtStep", "init_args": {"step": 3}}
     args = fit_args(root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(lose))
+    args.append("--trainer.callbacks+=" + json.dumps(SURVIVOR_COMPUTES))
 
     survivor = start_agent(tmp_path, "survivor", port, args, is_host=True)  # the store must outlive the lost node
     time.sleep(1)
@@ -143,6 +152,45 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     kill = max(r["time"] for r in recorded if r["world"] == 2 and r["rank"] == 1)
     first_after = min(r["time"] for r in recorded if r["world"] == 1)
     print(f"\nfrom the lost node's last batch to the first batch after the restart: {first_after - kill:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_restart_with_no_saved_state_trains_again_from_the_start_with_the_configured_global_batch(tmp_path):
+    """Node B is lost after step 3 and the survivor cannot save (its disk is full): torchrun restarts the job on one
+    node with nothing to resume from. It trains the run again from its start in the same folder, with the first
+    start's global batch 8 (accumulate 2 on 1 device), not 4: the same steps as an unbroken run (issue 34, item 4)."""
+    root, records = tmp_path / "runs", tmp_path / "records"
+    port = find_free_network_port()
+    lose = {
+        "class_path": "tests.faults.Fault",
+        "init_args": {"at": "step", "step": 3, "action": "kill_node", "node": True},
+    }
+    full = {"class_path": "tests.faults.Fault", "init_args": {"at": "save", "step": 3, "action": "disk_full"}}
+    args = fit_args(
+        root, records, "--trainer.strategy=ddp", *(f"--trainer.callbacks+={json.dumps(c)}" for c in (lose, full))
+    )
+    survivor = start_agent(tmp_path, "survivor", port, args, is_host=True)
+    time.sleep(1)
+    lost = start_agent(tmp_path, "lost", port, args, is_host=False, delay=5, LOSE_THIS_NODE="1")
+    try:
+        survivor.wait(timeout=250)
+        lost.wait(timeout=60)
+    finally:
+        for process in (survivor, lost):
+            process.kill()
+    output = (tmp_path / "survivor.log").read_text()
+    assert survivor.returncode == 0, output[-4000:]
+    assert "could not save the state after step 3: [Errno 28] No space left on device" in output, output[-4000:]
+    assert "2 -> 1 devices: accumulate_grad_batches 1 -> 2 keeps the global batch 8" in output, output[-4000:]
+    [run] = (root / "lightning_logs").glob("version_*")
+    final = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert final["global_step"] == EPOCHS * SAMPLES // (2 * BATCH)
+    again = [r for r in read_records(records) if r["world"] == 1]
+    for epoch in range(EPOCHS):  # the restart trained every sample of both epochs once
+        assert sorted(i for r in again if r["epoch"] == epoch for i in r["ids"]) == list(range(SAMPLES))
+    with (run / "metrics.csv").open(newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row["train/loss"]]
+    assert steps == list(range(final["global_step"]))  # one row per step: the lost start's rows are gone
 
 
 @pytest.mark.slow
@@ -278,6 +326,7 @@ def test_a_lost_horovod_rank_is_restarted_from_the_survivors_state_each_sample_o
     lose = {"class_path": "tests.lose_node.LoseRankAtStep", "init_args": {"step": 3, "rank": 1}}
     args = fit_args(root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
     args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(lose)]
+    args.append("--trainer.callbacks+=" + json.dumps(SURVIVOR_COMPUTES))
     result = warm.run(
         [sys.executable, *args], cwd=elsewhere, env=env(**MPI_ENV), capture_output=True, text=True, timeout=300
     )

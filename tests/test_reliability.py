@@ -664,25 +664,57 @@ def test_a_read_only_output_folder_is_one_line_before_any_work(read_only_disk, l
     assert last.startswith("error: ") and "Read-only file system" in last and "default_root_dir" in last, last
 
 
-def test_a_lost_rank_verdict_waits_while_a_survivor_saves_its_state():
-    """The watchdog thread's verdict ends the process; while the Elastic callback writes the survivor's state
-    (inside ``RankWatchdog.held()``) it waits, and acts right after."""
+def test_a_lost_rank_verdict_waits_until_the_survivor_saved_its_state(monkeypatch):
+    """Under a restarting launcher the survivor's state is written when its next collective fails, which may come
+    seconds after the watchdog saw the peer's process gone (a long backward before the first bucket): the verdict
+    keeps the process alive until the Elastic callback says the save is over, then ends it (issue 34, item 4)."""
     import threading
 
     from app.callbacks import RankWatchdog
+    from app.callbacks import rank_watchdog as module
     from app.callbacks.rank_watchdog import Heartbeat
 
-    watchdog = RankWatchdog()
+    ended, lines = threading.Event(), []
+    monkeypatch.setattr(RankWatchdog, "_end", lambda self: (ended.set(), sys.exit(1)))  # os._exit, in a test
+    monkeypatch.setattr(module, "_say", lines.append)
+    watchdog = RankWatchdog(timeout=5)
     watchdog._heartbeat = Heartbeat(None, rank=0, world_size=2, timeout=5, interval=0.5, prefix="test")
-    acted = threading.Event()
-    watchdog._heartbeat.on_lost = lambda ranks, reason: acted.set()
-    with watchdog.held():
-        judge = threading.Thread(target=watchdog._heartbeat._judge, args=([1], "rank 1 has exited"))
-        judge.start()
-        assert watchdog._heartbeat.verdict.wait(5)  # judged at once (on_exception's wait is answered) ...
-        assert not acted.wait(0.3)  # ... but the process is not ended while the state is written
-    assert acted.wait(5)
+    watchdog._heartbeat.on_lost = watchdog._stop_process
+    watchdog.expect_save()
+    judge = threading.Thread(target=watchdog._heartbeat._judge, args=([1], "rank 1 (pid 7 on h) has exited"))
+    judge.start()
+    assert watchdog._heartbeat.verdict.wait(5)  # judged at once (on_exception's wait is answered) ...
+    assert not ended.wait(1.0)  # ... but the process is not ended before the state is written
+    assert lines == [
+        "error: [rank 0] lost rank 1: rank 1 (pid 7 on h) has exited. Saving this rank's state first (when its "
+        "next collective fails, within 5 s)"
+    ]
+    watchdog.save_over(reported=True)  # Elastic wrote last.ckpt and said so
+    assert ended.wait(5)
     judge.join(5)
+    assert len(lines) == 1  # the callback's line says what comes next
+
+
+def test_a_survivor_that_never_reaches_a_failing_collective_stops_after_the_timeout_and_says_why(monkeypatch):
+    import threading
+
+    from app.callbacks import RankWatchdog
+    from app.callbacks import rank_watchdog as module
+
+    ended, lines = threading.Event(), []
+    monkeypatch.setattr(RankWatchdog, "_end", lambda self: (ended.set(), sys.exit(1)))  # os._exit, in a test
+    monkeypatch.setattr(module, "_say", lines.append)
+    monkeypatch.setattr(module, "restarts_left", lambda: True)
+    watchdog = RankWatchdog(timeout=1)
+    watchdog.expect_save()
+    started = time.monotonic()
+    with pytest.raises(SystemExit):
+        watchdog._stop_process([1], "rank 1 has not answered for 1 s")
+    assert ended.is_set() and time.monotonic() - started >= 1
+    assert lines[-1] == (
+        "error: [rank ?] could not save its state: no collective failed within 1 s (one that hangs: a peer's host "
+        "that is gone without closing its connections). Stopping this rank (exit 1). The launcher restarts the job"
+    ), lines
 
 
 def test_a_store_that_answers_just_after_the_timeout_keeps_the_watchdog_watching():

@@ -22,7 +22,6 @@ On by default. Three things, each only where it applies:
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import sys
 import warnings
@@ -45,6 +44,7 @@ from app.elastic import (
     report_saved_state,
     restarts_left,
     restarts_possible,
+    run_shape,
 )
 from app.errors import TemplateWarning, UserError
 from app.lightning_internals import (
@@ -96,6 +96,7 @@ class Elastic(Callback):
         self._saving_loops: dict | None = None
         self.restartable = False
         self.saved_after_failure: str | None = None  # the last.ckpt this rank wrote when its collective failed
+        self.started_as: dict | None = None  # the run's first shape, for a restart that has no state to resume from
 
     # ---------------------------------------------------------------- the run's shape, saved and restored
     def state_dict(self) -> dict:
@@ -118,7 +119,7 @@ class Elastic(Callback):
         """Before the loops read them: batch counts given for another world size are rescaled to this one."""
         devices = trainer.world_size * _devices_per_process(trainer)
         given = {name: getattr(trainer, name) for name in BATCH_COUNTS}
-        counts = (self._restored or {}).get("counts")
+        counts = (self._restored or self.started_as or {}).get("counts")
         if counts and counts.get("given") == given and counts["devices"] != devices:
             self._rescale_batch_counts(trainer, counts["devices"], devices)
         elif counts and counts.get("given") == given:
@@ -160,12 +161,18 @@ class Elastic(Callback):
             self._line_up_batches(trainer, loader)
             if self.keep_global_batch:
                 self._keep_global_batch(trainer, restored, devices, device_batch)
+        elif self.keep_global_batch and not restored and (self.started_as or {}).get("devices", devices) != devices:
+            self._keep_global_batch(trainer, self.started_as, devices, device_batch)  # a restart from the start
         self._shape = {
             "devices": devices,
             "device_batch": device_batch,
             "accumulate": trainer.accumulate_grad_batches,
             "counts": self._counts,
         }
+        if self.restartable:  # a lost peer's verdict waits until this rank saved (on_exception)
+            for watchdog in trainer.callbacks:
+                if isinstance(watchdog, RankWatchdog):
+                    watchdog.expect_save()
         if trainer.is_global_zero:
             self._continue_metrics(trainer)
 
@@ -261,45 +268,51 @@ class Elastic(Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if not self.restartable or isinstance(exception, UserError | KeyboardInterrupt | SystemExit):
             return  # SystemExit: a preemption, which saved its own checkpoint, or a deliberate stop
+        watchdogs = [c for c in trainer.callbacks if isinstance(c, RankWatchdog)]
+        reported = False
+        try:
+            reported = self._save_after_failure(trainer, exception)
+        finally:  # the rank watchdog kept this process alive for the save: it may end it now
+            for watchdog in watchdogs:
+                watchdog.save_over(reported)
+
+    def _save_after_failure(self, trainer, exception: BaseException) -> bool:
+        """Write ``last.ckpt`` with the state after the last completed step; True when a line said what happened."""
         if trainer.state.fn != "fit" or self._last_step is None or trainer.checkpoint_callback is None:
-            return
+            return False
         step, loops = self._last_step
         if trainer.global_step != step:
-            return  # failed between an optimizer step and its batch's end: the weights are past the position
+            return False  # failed between an optimizer step and its batch's end: the weights are past the position
         callback = trainer.checkpoint_callback
         metrics = dict(trainer.callback_metrics, epoch=trainer.current_epoch, step=step)
         path = callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST)
         callback.last_model_path = path
         strategy = trainer.strategy
         self._saving_loops = loops
-        # The rank watchdog would end this process as soon as it judges the peer lost: not in the middle of the file.
-        watchdogs = [c.held() for c in trainer.callbacks if isinstance(c, RankWatchdog)]
-        with contextlib.ExitStack() as hold:
-            for watchdog in watchdogs:
-                hold.enter_context(watchdog)
-            # The process group is broken: no barrier after the save, and every survivor writes (rank 0 may be gone).
-            captured = hold.enter_context(saving_alone(strategy))
+        # The process group is broken: no barrier after the save, and every survivor writes (rank 0 may be gone).
+        with saving_alone(strategy) as captured:
             try:
                 trainer.save_checkpoint(path, weights_only=False)
                 strategy.checkpoint_io.save_checkpoint(captured["checkpoint"], path)
             except Exception as err:  # noqa: BLE001 - the original failure is what the user must see
                 say(trainer, f"[rank {trainer.global_rank}] could not save the state after step {step}: {err}")
-                return
+                return True
             finally:
                 self._saving_loops = None
-            self.saved_after_failure = str(path)
-            report_saved_state(trainer.global_rank, str(path))
-            reason = " ".join(str(exception).split())[:200]
-            then = (
-                "the launcher restarts the job from there"
-                if restarts_left()
-                else "no restart is left: continue with the same command plus --ckpt_path last"
-            )
-            say(
-                trainer,
-                f"[rank {trainer.global_rank}] {type(exception).__name__}: {reason}. Saved the state after step "
-                f"{step} to {path}; {then}",
-            )
+        self.saved_after_failure = str(path)
+        report_saved_state(trainer.global_rank, str(path))
+        reason = " ".join(str(exception).split())[:200]
+        then = (
+            "the launcher restarts the job from there"
+            if restarts_left()
+            else "no restart is left: continue with the same command plus --ckpt_path last"
+        )
+        say(
+            trainer,
+            f"[rank {trainer.global_rank}] {type(exception).__name__}: {reason}. Saved the state after step {step} "
+            f"to {path}; {then}",
+        )
+        return True
 
 
 class ElasticRunFolder(Callback):
@@ -317,6 +330,7 @@ class ElasticRunFolder(Callback):
         self.continued = dict(continued)  # logger root -> the version this start goes on writing
         self.ckpt_path = ckpt_path
         self.agents = [agent_id()]  # the torchrun agents of the job's ranks, gathered once the process group formed
+        self._shape_recorded = False
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
@@ -336,6 +350,21 @@ class ElasticRunFolder(Callback):
         if trainer.is_global_zero:
             for folder in self.claimed:
                 mark_run(folder, self.job, agents=self.agents)  # for the restarts to find
+        if self.ckpt_path is None and self.continued:
+            # A restart with no state to resume from (no survivor could save one) trains the run again from its
+            # start: with the first start's global batch, not the one this world size gives by itself.
+            root, version = next(iter(self.continued.items()))
+            shape = run_shape(root / f"version_{version}")
+            for elastic in trainer.callbacks:
+                if isinstance(elastic, Elastic) and shape:
+                    elastic.started_as = shape
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self.claimed and trainer.is_global_zero and not self._shape_recorded:
+            self._shape_recorded = True  # once: the first start's shape, which the Elastic callback knows by now
+            shape = next((c.state_dict() for c in trainer.callbacks if isinstance(c, Elastic)), None)
+            for folder in self.claimed:
+                mark_run(folder, self.job, agents=self.agents, shape=shape)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:

@@ -13,7 +13,10 @@ the others'. A rank is lost when
 
 The thread then prints one line naming the rank, kills this rank's own child ranks (rank 0 of a ``ddp`` launch
 started the local ones) and exits with code 1; it cannot raise into a main thread that is blocked inside a
-collective. A rank that finishes marks itself done, so an early finisher is never taken for a dead one.
+collective. Under a restarting launcher the :class:`~app.callbacks.Elastic` callback first saves this survivor's
+state when its next collective fails: the verdict waits for that (up to ``timeout`` seconds), so a survivor that was
+computing when the peer died (a long backward before the first gradient bucket) is not ended before it could save.
+A rank that finishes marks itself done, so an early finisher is never taken for a dead one.
 """
 
 from __future__ import annotations
@@ -73,7 +76,6 @@ class Heartbeat(threading.Thread):
         self.verdict = threading.Event()
         self._halt = threading.Event()  # not "_stop": that is a threading.Thread method
         self.on_lost = None  # called from this thread with (ranks, reason); default: exit the process
-        self.held = threading.Lock()  # a survivor saving its state holds the verdict off until the file is whole
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}/{kind}/{rank}"
@@ -150,9 +152,8 @@ class Heartbeat(threading.Thread):
     def _judge(self, ranks: list[int], reason: str) -> None:
         self.lost_ranks, self.reason = ranks, reason
         self.verdict.set()
-        with self.held:
-            if self.on_lost is not None:
-                self.on_lost(ranks, reason)
+        if self.on_lost is not None:
+            self.on_lost(ranks, reason)
 
     def finish(self) -> None:
         """This rank is done: peers stop watching it, and this thread stops."""
@@ -198,6 +199,8 @@ class RankWatchdog(Callback):
         self._heartbeat: Heartbeat | None = None
         self._children: list = []
         self._checkpointer = None
+        self._save: threading.Event | None = None  # set when the survivor's save (expect_save) is over
+        self._save_reported = False
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if trainer.world_size == 1 or not dist.is_initialized():
@@ -215,40 +218,66 @@ class RankWatchdog(Callback):
 
     def _stop_process(self, ranks: list[int], reason: str) -> None:
         me = self._heartbeat.rank if self._heartbeat else "?"
+        lost = f"error: [rank {me}] lost rank {', '.join(map(str, ranks))}: {reason}."
+        save = self._save
+        if save is not None and not save.is_set():
+            # The main thread may be computing (no collective yet) or inside the collective that is failing: its
+            # exception reaches the Elastic callback, which writes the state of the last step and says what next.
+            _say(f"{lost} Saving this rank's state first (when its next collective fails, within {self.timeout:g} s)")
+            if not save.wait(self.timeout):
+                lost = (
+                    f"error: [rank {me}] could not save its state: no collective failed within {self.timeout:g} s "
+                    "(one that hangs: a peer's host that is gone without closing its connections)."
+                )
+            elif self._save_reported:
+                self._end()  # the state is written (or it said why not), and what comes next
+            else:
+                lost = f"error: [rank {me}]"
         folder = getattr(self._checkpointer, "dirpath", None)
         advice = what_next(Path(folder) / "last.ckpt" if folder else None)
-        message = (
-            f"error: [rank {me}] lost rank {', '.join(map(str, ranks))}: {reason}. Stopping this rank (exit "
-            f"{EXIT_CODE}). {advice}\n"
-        )
-        os.write(2, message.encode())
+        _say(f"{lost} Stopping this rank (exit {EXIT_CODE}). {advice}")
+        self._end()
+
+    def _end(self) -> None:
         for process in self._children:  # the local ranks this process started
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)
         os._exit(EXIT_CODE)  # the main thread may be stuck in a collective: it cannot be unwound
 
-    @contextlib.contextmanager
-    def held(self):
-        """While inside, a lost rank's verdict does not end this process (it does so right after): the
-        :class:`~app.callbacks.Elastic` callback writes the survivor's state inside it."""
-        heartbeat = self._heartbeat
-        if heartbeat is None:
-            yield
-            return
-        with heartbeat.held:
-            yield
+    def expect_save(self) -> None:
+        """Called before training by a callback that writes this rank's state when a peer is lost (the
+        :class:`~app.callbacks.Elastic` callback under a restarting launcher): a verdict then lets this process live
+        until :meth:`save_over`, or ``timeout`` seconds."""
+        self._save = threading.Event()
+        self._save_reported = False
+
+    def save_over(self, reported: bool) -> None:
+        """The save that :meth:`expect_save` announced is done, or will not happen; ``reported``: the callback
+        said so, and what comes next, in its own line."""
+        self._save_reported = reported
+        if self._save is not None:
+            self._save.set()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         # A collective that failed because a peer died (gloo: "Connection reset by peer") reaches here before the
         # heartbeat verdict: wait for the verdict, which names the rank and exits. Otherwise this rank is leaving.
         if self._heartbeat is not None and _looks_like_lost_peer(exception):
             self._heartbeat.verdict.wait(self.timeout + 3 * self.interval)
-        self.teardown(trainer, pl_module, "")
+        self._finish()  # the save announced by expect_save, if any, comes after this (callbacks run in turn)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._finish()
+        if self._save is not None and not self._save.is_set():
+            self.save_over(reported=False)  # ended without a failure to save after
+
+    def _finish(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.finish()
             self._heartbeat = None
+
+
+def _say(line: str) -> None:
+    os.write(2, (line + "\n").encode())
 
 
 def _looks_like_lost_peer(exception: BaseException) -> bool:
