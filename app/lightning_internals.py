@@ -24,8 +24,9 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    step's logged value read: the loop's last-batch flag, ``val_check_batch``, ``total_batch_idx``),
    :func:`resuming_fit` and :func:`shift_batch_count` (an elastic restart lines the batch count up with the
    re-dealt loader), :func:`fit_loop_state` (the loops' state after a step).
-8. The layout of ``checkpoint["loops"]``: :func:`epochs_done`, :func:`validation_progress` (a stop in
-   validation restarts it in full), :func:`put_fit_loop_state` (the state of the last completed step).
+8. The layout of ``checkpoint["loops"]``: :func:`epochs_done`, :func:`validation_progress` and
+   :func:`restart_validation` (a stop in validation restarts it in full), :func:`put_fit_loop_state` (the state of
+   the last completed step).
 9. :func:`saving_alone` — ``Trainer.save_checkpoint`` on a broken process group: the strategy's barrier and its
    rank-0-only save, replaced for the duration of one save.
 """
@@ -165,6 +166,18 @@ def epochs_done(checkpoint: dict) -> int:
 def validation_progress(checkpoint: dict) -> dict:
     """The (mutable) batch counters of the validation inside fit, as the checkpoint stores them."""
     return checkpoint["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]
+
+
+def restart_validation(fit_loop: dict) -> None:
+    """Make a fit loop state taken during validation (``checkpoint["loops"]["fit_loop"]``) resume by validating that
+    epoch again from its first batch. Lightning 2.6 resumes such a state by "finishing" the validation: it counts the
+    batches already done but restarts the loader, so it would validate the first batches only (or none). These
+    counters read as "restarted in validation, no batch done" (the pattern of EvaluationLoop.update_restart_stage);
+    test_reliability's validation-stop test and test_elastic's validation-loss test fail if this changes."""
+    progress = fit_loop["epoch_loop.val_loop.batch_progress"]
+    progress["total"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
+    progress["current"] = {"ready": 0, "started": 0, "processed": 0, "completed": 0}
+    progress["is_last_batch"] = False
 
 
 def put_fit_loop_state(checkpoint: dict, state: dict) -> None:

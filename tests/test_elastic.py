@@ -362,6 +362,38 @@ def test_a_lost_horovod_rank_is_restarted_from_the_survivors_state_each_sample_o
     print(f"\nfrom the lost rank's last batch to the first batch after the restart: {first_after - kill:.1f} s")
 
 
+@pytest.mark.slow
+def test_a_rank_lost_in_the_last_validation_is_restarted_into_that_validation(tmp_path):
+    """Rank 1 dies in the middle of the last epoch's validation. The survivor saves the state in that validation
+    (weights of the last step), and the restarted run validates the epoch again in full: its val row, its epoch
+    checkpoint and the best checkpoint by val/acc are there, as in an unbroken run (issue 34, item 3)."""
+    root, records = tmp_path / "runs", tmp_path / "records"
+    last_step = EPOCHS * SAMPLES // (2 * BATCH)
+    lose = {"class_path": "tests.faults.Fault", "init_args": {"at": "validation", "step": last_step, "action": "kill"}}
+    lose["init_args"].update(rank=1, batch=1)
+    args = fit_args(root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
+    args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(lose)]
+    result = warm.run(
+        [sys.executable, *args], cwd=tmp_path, env=env(**MPI_ENV), capture_output=True, text=True, timeout=300
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert f"Saved the state after step {last_step} to" in output, output[-5000:]
+    assert "restart 1 of at most 1 on 1 rank(s)" in output, output[-5000:]
+    [run] = (root / "lightning_logs").glob("version_*")
+    assert load_checkpoint(run / "checkpoints" / "last.ckpt")["global_step"] == last_step  # nothing trained again
+    epochs = sorted(p.name for p in (run / "checkpoints").glob("epoch=*.ckpt"))
+    assert any(name.startswith(f"epoch={EPOCHS - 1}-") for name in epochs), epochs  # the last epoch's checkpoint
+    with (run / "metrics.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    validated = [row["epoch"] for row in rows if row["val/acc"]]
+    assert validated == [str(e) for e in range(EPOCHS)], validated  # each epoch validated once, the last one too
+    assert not [r for r in read_records(records) if r["world"] == 1]  # the restart trained no batch
+    # The epoch's training aggregates (train/loss_epoch, the epoch line's loss and img/s) were the lost process's:
+    # the restarted epoch says so instead of a zero throughput (docs/elastic.md, "Not yet")
+    assert re.search(rf"epoch {EPOCHS - 1} \| val acc [\d.]+ \| resumed after its training \| 1 x cpu", output), output
+
+
 def test_horovod_max_restarts_is_checked(monkeypatch):
     with pytest.raises(UserError, match=r"max_restarts=-1 must be >= 0"):
         HorovodStrategy(max_restarts=-1)

@@ -51,6 +51,7 @@ from app.lightning_internals import (
     batch_count,
     fit_loop_state,
     put_fit_loop_state,
+    restart_validation,
     resuming_fit,
     saving_alone,
     shift_batch_count,
@@ -283,6 +284,9 @@ class Elastic(Callback):
         step, loops = self._last_step
         if trainer.global_step != step:
             return False  # failed between an optimizer step and its batch's end: the weights are past the position
+        if trainer.validating:  # the weights are the last step's; the restart validates this epoch again in full
+            loops = fit_loop_state(trainer)
+            restart_validation(loops)
         callback = trainer.checkpoint_callback
         metrics = dict(trainer.callback_metrics, epoch=trainer.current_epoch, step=step)
         path = callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST)

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from app.callbacks.progress import console_print, live_bar_console
 from app.elastic import torchrun_restarts_possible
 from app.errors import Preempted
-from app.lightning_internals import log_step_now, take_over_local_ranks, validation_progress
+from app.lightning_internals import log_step_now, restart_validation, take_over_local_ranks
 
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
 
@@ -201,14 +201,7 @@ class Preemption(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if not self._stopping_in_validation:
             return
-        # Lightning 2.6 resumes a checkpoint taken in validation by "finishing" it: it counts the batches already
-        # done but restarts the loader, so it would validate the first batches only. These counters make it read
-        # as "restarted in validation, no batch done" (the pattern of EvaluationLoop.update_restart_stage), so the
-        # resumed run validates the epoch in full; test_reliability's validation-stop test fails if this changes.
-        progress = validation_progress(checkpoint)
-        progress["total"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
-        progress["current"] = {"ready": 0, "started": 0, "processed": 0, "completed": 0}
-        progress["is_last_batch"] = False
+        restart_validation(checkpoint["loops"]["fit_loop"])  # the resumed run validates the epoch in full
 
     def _save(self, trainer) -> Path | None:
         callback = trainer.checkpoint_callback

@@ -220,6 +220,9 @@ class RankWatchdog(Callback):
         me = self._heartbeat.rank if self._heartbeat else "?"
         lost = f"error: [rank {me}] lost rank {', '.join(map(str, ranks))}: {reason}."
         save = self._save
+        if save is not None and save.is_set() and self._save_reported:  # its line came first and said what next
+            _say(f"{lost} Stopping this rank (exit {EXIT_CODE}).")
+            self._end()
         if save is not None and not save.is_set():
             # The main thread may be computing (no collective yet) or inside the collective that is failing: its
             # exception reaches the Elastic callback, which writes the state of the last step and says what next.

@@ -83,16 +83,25 @@ class RunReport(Callback):
         totals = trainer.strategy.reduce(totals, reduce_op="sum")
         images, loss_sum = totals.tolist()
         seconds = time.perf_counter() - self._epoch_start
-        parts = [f"epoch {trainer.current_epoch}", f"train loss {loss_sum / max(images, 1):.4f}"]
+        parts = [f"epoch {trainer.current_epoch}"]
+        if images:
+            parts.append(f"train loss {loss_sum / images:.4f}")
         monitor = spec_of(pl_module).monitor  # the task's headline metric (val/acc -> "val acc 0.8712")
         value = trainer.callback_metrics.get(monitor) if monitor else None
         if value is not None:
             parts.append(f"{monitor.replace('/', ' ').replace('_', ' ')} {float(value):.4f}")
+        devices = (
+            f"{max(trainer.num_devices * trainer.num_nodes, trainer.world_size)} x {trainer.strategy.root_device.type}"
+        )
+        if not images:  # resumed (a restart, a stop in validation) after the epoch's last training batch
+            console_print(
+                trainer, " | ".join([*parts, "resumed after its training", f"{devices} ({strategy_name(trainer)})"])
+            )
+            return
         parts += [
             f"{seconds:.1f} s",
             f"{images / max(self._train_seconds, 1e-9):,.0f} img/s",
-            f"{max(trainer.num_devices * trainer.num_nodes, trainer.world_size)} x {trainer.strategy.root_device.type} "
-            f"({strategy_name(trainer)})",
+            f"{devices} ({strategy_name(trainer)})",
         ]
         console_print(trainer, " | ".join(parts))
         pl_module.log(
