@@ -12,9 +12,10 @@ Points (``at``), each after optimizer step ``step`` of the run:
 - ``validation``: at the start of validation batch ``batch`` (default 0) of the validation that follows the step;
 - ``save``: inside a checkpoint save (``on_save_checkpoint``).
 
-Actions (``action``): ``kill`` (SIGKILL this process: a lost rank), ``kill_node`` (SIGKILL this worker's torchrun agent
-and then itself: a lost machine), ``pause`` (sleep ``seconds``: a slow rank), ``sigterm`` (SIGTERM to this
-process: a preemption notice), ``disk_full`` (the save raises ``OSError(ENOSPC)``; only at ``save``).
+Actions (``action``): ``kill`` (SIGKILL this process: a lost rank), ``kill_node`` (SIGKILL this worker's torchrun
+agent and then itself: a lost machine), ``pause`` (sleep ``seconds``: a slow rank), ``sigterm`` (SIGTERM to this
+process: a preemption notice), ``sigstop`` (a hung process), ``disk_full`` (the save raises ``OSError(ENOSPC)``;
+only at ``save``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from lightning.pytorch import Callback
 
 POINTS = ("step", "next_batch", "validation", "save")
-ACTIONS = ("kill", "kill_node", "pause", "sigterm", "disk_full")
+ACTIONS = ("kill", "kill_node", "pause", "sigterm", "sigstop", "disk_full")
 
 
 def launcher_start() -> int:
@@ -82,6 +83,8 @@ class Fault(Callback):
             time.sleep(self.seconds)
         elif self.action == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif self.action == "sigstop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif self.action == "disk_full":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

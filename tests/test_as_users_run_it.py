@@ -29,7 +29,6 @@ from lightning.pytorch import Callback
 from app.checkpoint_io import load_checkpoint
 from app.cli import main
 from app.plot import epoch_metrics
-from app.strategies.launch import remove_stale_launch_folders
 from tests import warm
 from tests.conftest import ROOT, TINY_CONFIG, TINY_TASK
 
@@ -370,10 +369,9 @@ def test_stopping_a_self_launched_horovod_run_leaves_no_rank_behind(how, tmp_pat
             process.send_signal(signum)
         code = process.wait(timeout=60)
         wait_for(lambda: not rank_processes(str(launch)), 30, "the ranks to exit")
-        if signum == signal.SIGKILL:  # rank 0 removes it if mpirun lets it finish; else the next launch does
-            time.sleep(2)
-            remove_stale_launch_folders()
-        wait_for(lambda: not launch.exists(), 10, "the launch folder to be removed")
+        # SIGKILL: mpirun ends the ranks, and the launcher's reaper removes the folder with the pickled job then,
+        # not at the next launch (issue 34, item 9)
+        wait_for(lambda: not launch.exists(), 70, "the launch folder to be removed")
     finally:
         if process.poll() is None:
             process.kill()
@@ -387,6 +385,56 @@ def test_stopping_a_self_launched_horovod_run_leaves_no_rank_behind(how, tmp_pat
         assert "Abort is in progress" not in text and "non-zero status" not in text, text[-3000:]
     else:
         assert code == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_sent_while_the_horovod_ranks_start_is_not_lost(signum, tmp_path):
+    """SIGTERM/SIGINT to the launcher in the first seconds of mpirun's start, before any rank wrote its pid: the
+    signal waits for the ranks and they stop before training; it was swallowed, and the ranks trained every epoch
+    (issue 34, item 6)."""
+    root, log = tmp_path / "root", tmp_path / "run.log"
+    cmd = cli_command(f"--trainer.default_root_dir={root}", "--trainer.strategy=horovod", "--trainer.devices=2",
+        "--trainer.max_epochs=1000",
+    )  # fmt: skip
+    with open(log, "w") as out:
+        process = subprocess.Popen(
+            cmd, cwd=tmp_path, env={**os.environ, **MPI_ENV, "PYTHONPATH": str(ROOT)}, stdout=out, stderr=out
+        )
+    try:
+        started = lambda: [f for f in launch_folders_of(process.pid) if (f / "job.pkl").exists()]  # noqa: E731
+        wait_for(lambda: started() or process.poll() is not None, 120, "mpirun's start")
+        (launch,) = started()
+        assert not list(launch.glob("rank-*.pid")), "the ranks started too fast for this test"
+        process.send_signal(signum)
+        code = process.wait(timeout=120)
+        wait_for(lambda: not rank_processes(str(launch)), 30, "the ranks to exit")
+    finally:
+        if process.poll() is None:
+            process.kill()
+    text = log.read_text()
+    assert code == 128 + signum, text[-3000:]
+    name = signal.Signals(signum).name
+    assert re.search(rf"{name}: stopped (before training|after step 1\b)", text), text[-3000:]
+    assert not launch.exists()
+
+
+def test_a_stopped_horovod_rank_does_not_outlive_its_launcher(tmp_path):
+    """Rank 1 stops itself (SIGSTOP) after step 2, so rank 0 cannot save and mpirun ends; a stopped process ignores
+    mpirun's SIGTERM. It lived on and wrote last.ckpt after the launcher said that no rank saved the state; now the
+    launcher SIGKILLs what is left of its ranks before it says anything (issue 34, item 9)."""
+    root = tmp_path / "root"
+    stop = {"class_path": "tests.faults.Fault", "init_args": {"at": "step", "step": 2, "action": "sigstop", "rank": 1}}
+    cmd = cli_command(f"--trainer.default_root_dir={root}", "--trainer.strategy=horovod", "--trainer.devices=2",
+        "--trainer.strategy.max_restarts=1", "--watchdog.timeout=2", "--trainer.callbacks+=" + json.dumps(stop),
+    )  # fmt: skip
+    before = set(rank_processes("app.strategies._mpi_worker"))
+    result = run(cmd, tmp_path, timeout=200)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output[-3000:]
+    assert "could not save its state" in output, output[-3000:]
+    assert "No rank saved the state after a step, so the ranks are not restarted" in output, output[-3000:]
+    assert not set(rank_processes("app.strategies._mpi_worker")) - before  # no rank of this run left, stopped or not
+    assert not list(root.glob("lightning_logs/version_0/checkpoints/last.ckpt"))
 
 
 def launch_folders_of(pid: int) -> list[Path]:

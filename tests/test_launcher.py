@@ -4,6 +4,7 @@ import pytest
 
 from app.launcher import first_on_node, launcher_ranks, slurm_tasks_per_node
 from app.strategies.launch import mpirun_command
+from tests.conftest import ROOT
 
 LAUNCH_VARS = (
     "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
@@ -53,3 +54,35 @@ def test_self_launched_ranks_are_not_bound_to_one_core():
     """Open MPI binds each rank to one core for small -np; a GPU rank's data path needs more (Horovod's guidance)."""
     cmd = " ".join(mpirun_command(2))
     assert "--bind-to none" in cmd and "--map-by slot" in cmd
+
+
+def test_the_reaper_ends_the_ranks_and_removes_the_launch_folder_once_the_launcher_is_gone(tmp_path):
+    """A SIGKILLed launcher cannot clean up: its reaper sees the pipe close, gives the ranks their grace, SIGKILLs
+    what is left (here a stopped "rank", deaf to SIGTERM) and removes the folder with the pickled job; it left the
+    folder until the next launch (issue 34, item 9). A process that only reuses a pid file's number is left alone."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    folder = tmp_path / "horovod-launch-x"
+    folder.mkdir()
+    (folder / "job.pkl").write_bytes(b"secret")
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "app.strategies._mpi_worker"])
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        (folder / "rank-1.pid").write_text(str(rank.pid))
+        (folder / "rank-2.pid").write_text(str(other.pid))
+        rank.send_signal(signal.SIGSTOP)
+        script = ROOT / "app" / "strategies" / "_reaper.py"
+        reaper = subprocess.Popen([sys.executable, str(script), str(folder), "1"], stdin=subprocess.PIPE)
+        time.sleep(0.5)
+        assert folder.exists() and rank.poll() is None  # the launcher lives: nothing happens
+        reaper.stdin.close()  # the launcher is gone
+        assert reaper.wait(timeout=30) == 0
+        assert rank.wait(timeout=5) == -signal.SIGKILL
+        assert not folder.exists()
+        assert other.poll() is None
+    finally:
+        for process in (rank, other):
+            process.kill()

@@ -59,6 +59,17 @@ def _how_to_continue() -> str:
     return "Continue with the same command plus --ckpt_path last"
 
 
+_early_signals: list[int] = []  # caught by catch_early_signals before a Preemption callback was installed
+
+
+def catch_early_signals(signals=(signal.SIGTERM, signal.SIGINT)) -> None:
+    """Remember a stop signal that comes before the trainer runs, instead of dying of it: the horovod self-launch's
+    ranks spend seconds importing and unpickling the job before Preemption installs its handlers, and the launcher
+    forwards a SIGTERM/SIGINT as soon as a rank has written its pid. Preemption acts on it once installed."""
+    for signum in signals:
+        signal.signal(signum, lambda signum, frame: _early_signals.append(signum))
+
+
 class Preemption(Callback):
     def __init__(self, signals: tuple[str, ...] = ("SIGTERM", "SIGINT")) -> None:
         """
@@ -107,6 +118,10 @@ class Preemption(Callback):
         if not self._previous:
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
+            early = [signum for signum in _early_signals if signum in self.signals]
+            _early_signals.clear()
+            if early and not self.received:  # sent while the rank was starting: acted on now
+                self._handle(early[0], None)
 
     def _handle(self, signum: int, frame) -> None:
         if self.received:  # a second signal: stop now

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import app  # noqa: F401  (registers the strategies before anything is unpickled)
+from app.callbacks.preemption import catch_early_signals
 from app.errors import Preempted, UserError
 from app.launcher import launcher_ranks
 from app.strategies.launch import PREEMPTED, USER_ERROR, process_alive
@@ -16,6 +17,7 @@ from app.strategies.launch import PREEMPTED, USER_ERROR, process_alive
 def main(job_path: str, result_path: str) -> None:
     workdir = Path(job_path).parent
     rank = (launcher_ranks() or (1, 0, 0, 1))[1]
+    catch_early_signals()  # a stop sent while this rank starts is acted on once the trainer runs
     (workdir / f"rank-{rank}.pid").write_text(str(os.getpid()))  # where the launcher sends SIGTERM/SIGINT
     try:
         with open(job_path, "rb") as f:  # written by our own launcher, mode 0700

@@ -28,9 +28,10 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.loggers import CSVLogger
 
 from app.elastic import MPI_LAUNCH_DIR, MPI_RESTART, MPI_RESTARTS_LEFT, SAVED_STATE, keep_metrics_for_restart
-from app.errors import UserError
+from app.errors import Preempted, UserError
 from app.launcher import launcher_ranks
 from app.lightning_internals import ResultsLauncher, resume_from
+from app.strategies._reaper import kill_ranks, rank_pids
 
 
 class MPILaunchEnvironment(ClusterEnvironment):
@@ -160,10 +161,13 @@ class MPIRunLauncher(ResultsLauncher):
     ``Trainer(strategy="horovod", devices=2).fit(model)``, ``model`` holds the trained weights.
 
     SIGTERM and SIGINT sent to this process are passed to every rank, which stop after the same step and write
-    ``last.ckpt`` (the Preemption callback); this process then exits with ``128 + signal``. mpirun runs in a
-    session of its own, so Ctrl-C in a terminal reaches this process only: mpirun would otherwise abort the job
-    ("hit ctrl-c again to forcibly terminate") and drop the ranks' last lines. If this process dies, mpirun gets
-    SIGTERM from the kernel and ends the ranks; the temporary folder is removed either way.
+    ``last.ckpt`` (the Preemption callback); this process then exits with ``128 + signal``. A signal that comes while
+    the ranks start waits for them (they take it once they have written their pid); one that comes between an
+    mpirun and its restart starts none. mpirun runs in a session of its own, so Ctrl-C in a terminal reaches this
+    process only: mpirun would otherwise abort the job ("hit ctrl-c again to forcibly terminate") and drop the ranks'
+    last lines. A rank that outlives its mpirun (stopped, so deaf to SIGTERM) is SIGKILLed. If this process dies,
+    mpirun gets SIGTERM from the kernel and ends the ranks, and a reaper (:mod:`app.strategies._reaper`) removes the
+    temporary folder, which holds the pickled job.
     """
 
     def __init__(self, strategy) -> None:
@@ -176,29 +180,47 @@ class MPIRunLauncher(ResultsLauncher):
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         remove_stale_launch_folders()
         workdir = Path(tempfile.mkdtemp(prefix=LAUNCH_PREFIX))  # mode 0700: only we can read it
+        reaper = start_reaper(workdir)  # removes the folder and any rank left should this process be killed
         try:
-            (workdir / "launcher.pid").write_text(str(os.getpid()))
-            restart = 0
-            while True:
-                returncode = self._run_ranks(workdir, restart, trainer, function, args, kwargs)
-                if returncode == 0:
-                    break
-                failed = f"the horovod ranks failed (mpirun exited with {returncode}); see their output above"
-                if restart >= self._strategy.max_restarts:
-                    raise RuntimeError(failed)
-                restart += 1
-                args, kwargs = self._prepare_restart(workdir, restart, trainer, function, args, kwargs, failed)
-            with open(workdir / "result.pkl", "rb") as f:
-                worker_output = pickle.load(f)
+            with StopSignals() as stops:  # from here to the end of the launch, restarts included
+                worker_output = self._launch_in(workdir, stops, function, args, kwargs, trainer)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+            stop_reaper(reaper)
         if trainer is None:
             return worker_output
         self.recover_results(worker_output, trainer)
         return worker_output.trainer_results
 
-    def _run_ranks(self, workdir: Path, restart: int, trainer, function: Callable, args, kwargs) -> int:
+    def _launch_in(self, workdir: Path, stops: StopSignals, function: Callable, args, kwargs, trainer) -> Any:
+        """The first mpirun and its restarts; rank 0's results."""
+        (workdir / "launcher.pid").write_text(str(os.getpid()))
+        restart = 0
+        while True:
+            returncode = self._run_ranks(workdir, restart, trainer, function, args, kwargs, stops)
+            if returncode == 0:
+                break
+            failed = f"the horovod ranks failed (mpirun exited with {returncode}); see their output above"
+            if restart >= self._strategy.max_restarts:
+                raise RuntimeError(failed)
+            restart += 1
+            args, kwargs = self._prepare_restart(workdir, restart, trainer, function, args, kwargs, failed)
+        with open(workdir / "result.pkl", "rb") as f:
+            return pickle.load(f)
+
+    def _run_ranks(
+        self, workdir: Path, restart: int, trainer, function: Callable, args, kwargs, stops: StopSignals
+    ) -> int:
         """One ``mpirun`` of the job; returns its exit code (raises for a signal or a rank's bad-input message)."""
+        if stops.received:  # came before this mpirun could start (the restart's preparation): none is started
+            signum = stops.received[0]
+            print(
+                f"{signal.Signals(signum).name}: stopped before the horovod ranks started"
+                + (" again; their last.ckpt is intact: continue with --ckpt_path last" if restart else ""),
+                file=sys.stderr,
+                flush=True,
+            )
+            raise Preempted(signum, checkpointed=False)
         for stale in [*workdir.glob("rank-*.pid"), *workdir.glob(f"{SAVED_STATE}-*"), *workdir.glob(PREEMPTED)]:
             stale.unlink()
         job = workdir / "job.pkl"
@@ -222,12 +244,10 @@ class MPIRunLauncher(ResultsLauncher):
                 cmd += ["-x", name]
         cmd += ["-x", MPI_LAUNCH_DIR, sys.executable, "-m", "app.strategies._mpi_worker", str(job)]
         cmd.append(str(workdir / "result.pkl"))
-        returncode, signum = _run_forwarding_signals(cmd, env, workdir)
+        returncode, signum = stops.run(cmd, env, workdir)
         if not signum and (workdir / PREEMPTED).exists():  # the ranks were signalled directly
             signum = int((workdir / PREEMPTED).read_text())
         if signum:
-            from app.errors import Preempted
-
             raise Preempted(signum)
         if (workdir / USER_ERROR).exists():
             raise UserError((workdir / USER_ERROR).read_text())
@@ -345,6 +365,27 @@ def main_module_preparation() -> dict:
     return {k: data[k] for k in keep if k in data}
 
 
+def start_reaper(workdir: Path) -> subprocess.Popen:
+    """:mod:`app.strategies._reaper`, watching this process through a pipe only this process holds."""
+    script = Path(__file__).with_name("_reaper.py")
+    return subprocess.Popen(
+        [sys.executable, str(script), str(workdir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
+
+
+def stop_reaper(reaper: subprocess.Popen) -> None:
+    """The launch folder is gone: the reaper sees the pipe close and exits at once."""
+    with contextlib.suppress(OSError):
+        reaper.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        reaper.wait(timeout=10)
+
+
 def _die_with_parent() -> None:
     """In mpirun, before exec: the kernel sends it SIGTERM when the launching process dies (Linux only)."""
     try:
@@ -355,28 +396,56 @@ def _die_with_parent() -> None:
         pass
 
 
-def _run_forwarding_signals(cmd: list[str], env: dict, workdir: Path) -> tuple[int, int]:
-    """Run mpirun; pass SIGTERM/SIGINT to the ranks (pids they wrote to ``workdir``). Returns (exit code, signal)."""
-    received: list[int] = []
+class StopSignals:
+    """SIGTERM/SIGINT to the launching process, noted for the whole launch (each mpirun, and the time before and
+    between them) and passed on to the ranks by :meth:`run`, also to ranks that write their pid only after the signal
+    came: a rank takes seconds to start, and a signal sent to it before it has a handler would be lost."""
 
-    def forward(signum, frame) -> None:
-        received.append(signum)
-        for pid_file in workdir.glob("rank-*.pid"):
-            with contextlib.suppress(OSError, ValueError):  # a rank that has just exited
-                os.kill(int(pid_file.read_text()), signum)
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._sent: set[tuple[int, int]] = set()  # (rank pid, index into received) already delivered
+        self._previous: dict = {}
 
-    process = subprocess.Popen(
-        cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
-    )
-    handled = (signal.SIGTERM, signal.SIGINT)
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {s: signal.signal(s, forward) for s in handled}
-    try:
-        returncode = process.wait()
-    finally:
-        for s, handler in previous.items():
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._note) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
             signal.signal(s, handler)
-        if process.poll() is None:
-            process.kill()
-    return returncode, (received[0] if received else 0)
+
+    def _note(self, signum, frame) -> None:  # only noted here: run() sends, so no signal goes out twice
+        self.received.append(signum)
+
+    def _forward(self, workdir: Path) -> None:
+        for pid in rank_pids(workdir) if self.received else ():
+            for index, signum in enumerate(self.received):
+                if (pid, index) not in self._sent:
+                    with contextlib.suppress(OSError):  # a rank that has just exited
+                        os.kill(pid, signum)
+                        self._sent.add((pid, index))
+
+    def run(self, cmd: list[str], env: dict, workdir: Path) -> tuple[int, int]:
+        """Run mpirun, passing signals on to its ranks. Returns (exit code, the first signal received or 0)."""
+        process = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
+        )
+        try:
+            while True:
+                try:
+                    returncode = process.wait(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    self._forward(workdir)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            end_leftover_ranks(workdir)
+        return returncode, (self.received[0] if self.received else 0)
+
+
+def end_leftover_ranks(workdir: Path) -> None:
+    """After mpirun exited: a rank it could not end (stopped with SIGSTOP, so it ignores SIGTERM) would wake later and
+    write into the run folder while a restart trains there, or after the launcher said no state was saved."""
+    kill_ranks(workdir)

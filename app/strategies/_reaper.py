@@ -1,0 +1,69 @@
+"""Cleans up after a horovod self-launch whose launcher is gone (run as a script, not for direct use).
+
+:class:`app.strategies.launch.MPIRunLauncher` starts this next to mpirun, in a session of its own, with a pipe on its
+standard input that only the launcher holds. The pipe reaches end-of-file when the launcher exits, however it exits
+(SIGKILL included). A launcher that finished has removed its launch folder already, and this does nothing. Otherwise
+mpirun got SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and passes it to the ranks, which stop with a checkpoint: this
+waits for them (up to ``GRACE`` seconds), SIGKILLs any left (a rank stopped with SIGSTOP ignores SIGTERM), and removes
+the folder, which holds the pickled job. It imports nothing of the template (no torch): it sleeps for the whole run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+GRACE = 60.0  # seconds the ranks get to stop with their checkpoint after the launcher died
+WORKER = b"app.strategies._mpi_worker"  # the rank program's module, in each rank's command line
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs the template's rank program (a pid reused since by another process does not count)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if WORKER not in f.read():
+                return False
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def rank_pids(folder: Path) -> list[int]:
+    """The ranks of the launch in ``folder`` that still run (their pids are in its ``rank-*.pid`` files)."""
+    pids = []
+    for pid_file in folder.glob("rank-*.pid"):
+        try:
+            pid = int(pid_file.read_text())
+        except (OSError, ValueError):
+            continue
+        if alive(pid):
+            pids.append(pid)
+    return pids
+
+
+def kill_ranks(folder: Path) -> None:
+    for pid in rank_pids(folder):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def main(folder: Path, grace: float = GRACE) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the launcher
+    sys.stdin.buffer.read()  # until the launcher exits
+    if not folder.exists():
+        return  # it finished and cleaned up
+    deadline = time.monotonic() + grace
+    while rank_pids(folder) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    kill_ranks(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), *map(float, sys.argv[2:3]))
