@@ -221,6 +221,9 @@ class CLI(CkptPathRule, LightningCLI):
             raise
         # Atomic checkpoint writes and weights_only loads, whatever the strategy.
         trainer.strategy.checkpoint_io = SafeCheckpointIO(allow_remote=bool(config.get("allow_remote_ckpt")))
+        for watchdog in trainer.callbacks:
+            if isinstance(watchdog, RankWatchdog):  # a lost rank before the first step leaves no empty run folder
+                watchdog.before_exit.append(lambda: trainer.global_step == 0 and release_if_unused(self._claimed))
         return trainer
 
     # ``LightningCLI`` calls ``before_<subcommand>`` just before ``trainer.<subcommand>(ckpt_path=...)``.

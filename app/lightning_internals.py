@@ -19,14 +19,14 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    hyperparameters into the config; overridden to apply the template's ``--ckpt_path`` rule.
 6. :func:`take_over_local_ranks` — the ``ddp`` launcher's child-process observer SIGKILLs rank 0 as soon as a
    child rank exits with a non-zero code, which after a preemption (143) or a divergence stop is the planned exit;
-   :func:`local_rank_processes` reads the same list (the rank watchdog kills its local ranks when it stops).
+   the rank watchdog takes them over when it starts (it names a lost rank and exits 1 instead).
 7. The fit loop's counters, which Lightning checkpoints but does not document: :func:`step_values_read` (is this
    step's logged value read: the loop's last-batch flag, ``val_check_batch``, ``total_batch_idx``),
    :func:`resuming_fit` and :func:`shift_batch_count` (an elastic restart lines the batch count up with the
    re-dealt loader), :func:`fit_loop_state` (the loops' state after a step).
-8. The layout of ``checkpoint["loops"]``: :func:`epochs_done`, :func:`validation_progress` and
-   :func:`restart_validation` (a stop in validation restarts it in full), :func:`put_fit_loop_state` (the state of
-   the last completed step).
+8. The layout of ``checkpoint["loops"]``: :func:`epochs_done`, :func:`validation_progress`,
+   :func:`restart_validation` and :func:`restart_checkpoint_validation` (a stop or a lost rank in validation
+   restarts it in full), :func:`put_fit_loop_state` (the state of the last completed step).
 9. :func:`saving_alone` — ``Trainer.save_checkpoint`` on a broken process group: the strategy's barrier and its
    rank-0-only save, replaced for the duration of one save.
 """
@@ -91,21 +91,21 @@ def take_over_local_ranks(trainer) -> list[subprocess.Popen]:
     """In rank 0 of a ``ddp`` launch: the processes of the other local ranks, no longer watched by Lightning.
 
     The launcher's child-process observer (a thread polling every 5 s) watches the launcher's ``procs`` list, the
-    same list object; when a child exits non-zero it SIGKILLs every process, rank 0 included. Before all ranks stop
-    on purpose with a non-zero code, rank 0 empties that list (the observer then ends) and waits for the children
-    itself. Elsewhere (no such launcher) there is nothing to take: an empty list.
+    same list object; when a child exits non-zero it SIGKILLs every process, rank 0 included (exit 137, no line of
+    ours, no cleanup). The rank watchdog takes the children over when it starts (the observer then ends: it reads an
+    empty list as all finished), and so does rank 0 before all ranks stop on purpose with a non-zero code; it then
+    waits for them itself. Every call returns all the processes taken so far. Elsewhere (no such launcher) there is
+    nothing to take: an empty list.
     """
-    procs = getattr(trainer.strategy.launcher, "procs", None)
+    launcher = trainer.strategy.launcher
+    procs = getattr(launcher, "procs", None)
     if not isinstance(procs, list):
         return []
-    taken = list(procs)
+    taken = getattr(launcher, "_taken_by_template", [])
+    taken += procs
     procs.clear()
-    return taken
-
-
-def local_rank_processes(trainer) -> list[subprocess.Popen]:
-    """In rank 0 of a ``ddp`` launch: the processes of the other local ranks (left watched by Lightning)."""
-    return list(getattr(trainer.strategy.launcher, "procs", None) or [])
+    launcher._taken_by_template = taken
+    return list(taken)
 
 
 # ---------------------------------------------------------------------------------------- 7. the fit loop's counters
@@ -178,6 +178,11 @@ def restart_validation(fit_loop: dict) -> None:
     progress["total"] = {"ready": 1, "started": 1, "processed": 0, "completed": 0}
     progress["current"] = {"ready": 0, "started": 0, "processed": 0, "completed": 0}
     progress["is_last_batch"] = False
+
+
+def restart_checkpoint_validation(checkpoint: dict) -> None:
+    """:func:`restart_validation` on the fit loop state inside a checkpoint being saved."""
+    restart_validation(checkpoint["loops"]["fit_loop"])
 
 
 def put_fit_loop_state(checkpoint: dict, state: dict) -> None:

@@ -14,8 +14,8 @@ Points (``at``), each after optimizer step ``step`` of the run:
 
 Actions (``action``): ``kill`` (SIGKILL this process: a lost rank), ``kill_node`` (SIGKILL this worker's torchrun
 agent and then itself: a lost machine), ``pause`` (sleep ``seconds``: a slow rank), ``sigterm`` (SIGTERM to this
-process: a preemption notice), ``sigstop`` (a hung process), ``disk_full`` (the save raises ``OSError(ENOSPC)``;
-only at ``save``).
+process: a preemption notice), ``sigstop`` (a hung process), ``error`` (a bug: RuntimeError), ``disk_full`` (the
+save raises ``OSError(ENOSPC)``; only at ``save``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from lightning.pytorch import Callback
 
 POINTS = ("step", "next_batch", "validation", "save")
-ACTIONS = ("kill", "kill_node", "pause", "sigterm", "sigstop", "disk_full")
+ACTIONS = ("kill", "kill_node", "pause", "sigterm", "sigstop", "error", "disk_full")
 
 
 def launcher_start() -> int:
@@ -85,6 +85,8 @@ class Fault(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
         elif self.action == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.action == "error":
+            raise RuntimeError("a fault injected by tests/faults.py")
         elif self.action == "disk_full":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

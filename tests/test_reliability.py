@@ -385,6 +385,28 @@ def test_a_rank_killed_with_sigkill_stops_the_others_naming_it(strategy, victim,
     load_checkpoint(last)
 
 
+@pytest.mark.parametrize("action", ["kill", "error"])
+def test_a_ddp_rank_lost_before_the_first_step_stops_rank_0_in_one_line_with_exit_1_and_no_empty_run(action, tmp_path):
+    """Rank 1 is SIGKILLed, or raises, as the first training batch starts. Lightning's child observer SIGKILLed
+    every process within its 5 s poll: exit 137, no line of ours, and a version_0 holding only config.yaml and
+    hparams.yaml (issue 34, item 12). The watchdog watches the children in its place: one line naming the rank,
+    exit 1, and no run folder for a run that trained nothing."""
+    fault = {"class_path": "tests.faults.Fault", "init_args": {"at": "next_batch", "step": 0, "action": action}}
+    fault["init_args"]["rank"] = 1
+    result = fit(tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.callbacks+=" + json.dumps(fault))
+    assert result.returncode == 1, result.stderr[-3000:]
+    why = (
+        r"\(pid \d+ on \S+\) has exited"
+        if action == "kill"
+        else r"stopped with an error \(its output above says which\)"
+    )
+    assert re.search(rf"error: \[rank 0\] lost rank 1: rank 1 {why}\. Stopping this rank \(exit 1\)", result.stderr), (
+        result.stderr[-3000:]
+    )
+    assert "Child process" not in result.stderr
+    assert versions(tmp_path) == []
+
+
 def test_a_stopped_rank_0_is_detected_by_the_others(workdir):
     """SIGSTOP of the ddp parent (rank 0, host of the rendezvous store): rank 1 stops within the timeout, naming it."""
     process, log = start(workdir, "--trainer.strategy=ddp", "--trainer.devices=2", "--watchdog.timeout=8")

@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from app.callbacks.progress import console_print, live_bar_console
 from app.elastic import torchrun_restarts_possible
 from app.errors import Preempted
-from app.lightning_internals import log_step_now, restart_validation, take_over_local_ranks
+from app.lightning_internals import log_step_now, restart_checkpoint_validation, take_over_local_ranks
 
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
 
@@ -216,7 +216,7 @@ class Preemption(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if not self._stopping_in_validation:
             return
-        restart_validation(checkpoint["loops"]["fit_loop"])  # the resumed run validates the epoch in full
+        restart_checkpoint_validation(checkpoint)  # the resumed run validates the epoch in full
 
     def _save(self, trainer) -> Path | None:
         callback = trainer.checkpoint_callback

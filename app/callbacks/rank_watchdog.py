@@ -11,8 +11,10 @@ the others'. A rank is lost when
 - its counter has not moved for ``timeout`` seconds (another host, or a process that hangs), or
 - the store itself stops answering (rank 0, its host, is gone).
 
-The thread then prints one line naming the rank, kills this rank's own child ranks (rank 0 of a ``ddp`` launch
-started the local ones) and exits with code 1; it cannot raise into a main thread that is blocked inside a
+A rank that leaves with an error marks itself failed, and the others stop at once too. The thread then prints one
+line naming the rank, kills this rank's own child ranks (rank 0 of a ``ddp`` launch started the local ones: it
+watches them in place of Lightning's observer, which would SIGKILL every process, itself included, without a word)
+and exits with code 1; it cannot raise into a main thread that is blocked inside a
 collective. Under a restarting launcher the :class:`~app.callbacks.Elastic` callback first saves this survivor's
 state when its next collective fails: the verdict waits for that (up to ``timeout`` seconds), so a survivor that was
 computing when the peer died (a long backward before the first gradient bucket) is not ended before it could save.
@@ -37,11 +39,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
 from app.elastic import restarts_left
 from app.errors import UserError
-from app.lightning_internals import local_rank_processes
+from app.lightning_internals import take_over_local_ranks
 from app.strategies.launch import process_alive
 
 EXIT_CODE = 1
 DONE = -(1 << 40)  # added to a rank's counter when it finishes
+FAILED = 2 * DONE  # added instead when it leaves with an error (not a planned stop: preemption, divergence)
+
+
+def _failed(beat: int) -> bool:
+    return beat < (DONE + FAILED) // 2  # a heartbeat counter plus FAILED, not plus DONE
 
 
 def rendezvous_store(trainer, timeout: float):
@@ -114,6 +121,10 @@ class Heartbeat(threading.Thread):
             now = time.monotonic()
             lost, reasons = [], []
             for r in peers:
+                if _failed(beats[r]):
+                    lost.append(r)
+                    reasons.append(f"rank {r} stopped with an error (its output above says which)")
+                    continue
                 if beats[r] < 0:  # finished
                     continue
                 if pids.get(r) and not process_alive(pids[r]):
@@ -145,9 +156,10 @@ class Heartbeat(threading.Thread):
 
     def _finished(self, rank: int) -> bool:
         try:
-            return self.store.add(self._key("beat", rank), 0) < 0
+            beat = self.store.add(self._key("beat", rank), 0)
         except Exception:  # noqa: BLE001
             return False
+        return beat < 0 and not _failed(beat)
 
     def _judge(self, ranks: list[int], reason: str) -> None:
         self.lost_ranks, self.reason = ranks, reason
@@ -155,11 +167,11 @@ class Heartbeat(threading.Thread):
         if self.on_lost is not None:
             self.on_lost(ranks, reason)
 
-    def finish(self) -> None:
-        """This rank is done: peers stop watching it, and this thread stops."""
+    def finish(self, failed: bool = False) -> None:
+        """This rank is done (``failed``: it leaves with an error): peers stop watching it, and this thread stops."""
         self._halt.set()
         with contextlib.suppress(Exception):  # the store may already be gone at the very end
-            self.store.add(self._key("beat", self.rank), DONE)
+            self.store.add(self._key("beat", self.rank), FAILED if failed else DONE)
 
 
 MIN_TIMEOUT = 1.0
@@ -200,7 +212,12 @@ class RankWatchdog(Callback):
         self._children: list = []
         self._checkpointer = None
         self._save: threading.Event | None = None  # set when the survivor's save (expect_save) is over
+        self.before_exit: list = []  # callables run before the verdict ends the process (the CLI's run folder)
         self._save_reported = False
+
+    def __getstate__(self) -> dict:
+        # The horovod self-launch pickles the trainer into its ranks: the launching process's cleanups stay there.
+        return {**self.__dict__, "before_exit": []}
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if trainer.world_size == 1 or not dist.is_initialized():
@@ -208,7 +225,7 @@ class RankWatchdog(Callback):
         store = rendezvous_store(trainer, self.timeout)
         if store is None:
             return
-        self._children = local_rank_processes(trainer)
+        self._children = take_over_local_ranks(trainer)  # Lightning's observer would SIGKILL everything first
         self._checkpointer = trainer.checkpoint_callback  # its dirpath is known only later
         self._heartbeat = Heartbeat(
             store, trainer.global_rank, trainer.world_size, self.timeout, self.interval, f"rank-watchdog/{stage}"
@@ -245,6 +262,9 @@ class RankWatchdog(Callback):
         for process in self._children:  # the local ranks this process started
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)
+        for cleanup in self.before_exit:  # what the process would do on its way out (os._exit skips it)
+            with contextlib.suppress(Exception):
+                cleanup()
         os._exit(EXIT_CODE)  # the main thread may be stuck in a collective: it cannot be unwound
 
     def expect_save(self) -> None:
@@ -266,16 +286,17 @@ class RankWatchdog(Callback):
         # heartbeat verdict: wait for the verdict, which names the rank and exits. Otherwise this rank is leaving.
         if self._heartbeat is not None and _looks_like_lost_peer(exception):
             self._heartbeat.verdict.wait(self.timeout + 3 * self.interval)
-        self._finish()  # the save announced by expect_save, if any, comes after this (callbacks run in turn)
+        planned = isinstance(exception, SystemExit | KeyboardInterrupt)  # all ranks stop together (a preemption)
+        self._finish(failed=not planned)  # the save announced by expect_save, if any, comes after (in turn)
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._finish()
         if self._save is not None and not self._save.is_set():
             self.save_over(reported=False)  # ended without a failure to save after
 
-    def _finish(self) -> None:
+    def _finish(self, failed: bool = False) -> None:
         if self._heartbeat is not None:
-            self._heartbeat.finish()
+            self._heartbeat.finish(failed)
             self._heartbeat = None
 
 
