@@ -28,13 +28,20 @@ CKPT_PATH_HELP = (
 
 def nested_option_error(line: str) -> str | None:
     """jsonargparse's union error for an option of a class given by name or class path (``--trainer.strategy.op``,
-    ``--trainer.callbacks.hook``), as one sentence: the flag, what is wrong, and the choices or the closest option."""
+    ``--trainer.callbacks.hook``), or under its ``init_args`` in a YAML file, as one sentence: the flag or the YAML
+    key, what is wrong, and the choices or the closest option."""
     group = re.search(r'Parser key "([\w.]+)": Does not validate against any of the Union subtypes', line)
     given = re.search(r"NestedArg\(key='([\w.]+)', val='([^']*)'\)", line)
-    if not (group and given):
+    if group and given:
+        key, value = given.groups()
+        flag = f"--{group.group(1)}.{key}={value}"
+    elif group:  # a YAML file's class_path and init_args: the key with its file's path (Parser.error adds the file)
+        key, value = _yaml_init_arg(line)
+        if key is None:
+            return None
+        flag = f"{group.group(1)}.init_args.{key}" + (f": {value}" if value is not None else "")
+    else:
         return None
-    key, value = given.groups()
-    flag = f"--{group.group(1)}.{key}={value}"
     problem = re.search(
         rf"Problem with given class_path '([\w.]+)': (?:Parser key \"{re.escape(key)}\": (.*?)(?= - |$)|"
         rf"(Option '{re.escape(key)}' is not accepted))",
@@ -45,6 +52,7 @@ def nested_option_error(line: str) -> str | None:
     class_path, wrong_value, unknown = problem.groups()
     name = class_path.rsplit(".", 1)[1]
     if unknown:
+        flag = flag if flag.startswith("--") else flag.split(": ")[0]  # a YAML key: its value says nothing here
         parameters = inspect.signature(import_class(class_path).__init__).parameters
         options = [p for p in parameters if p not in ("self", "args")]
         close = difflib.get_close_matches(key, options, n=1)
@@ -54,6 +62,24 @@ def nested_option_error(line: str) -> str | None:
     if choices:
         return f"{flag}: must be one of {', '.join(c.strip().strip(chr(39)) for c in choices.group(1).split(','))}"
     return f"{flag}: {wrong_value.split(' Given value type:')[0].strip()}"
+
+
+def _yaml_init_arg(line: str) -> tuple[str | None, object]:
+    """The init_args key that jsonargparse's union error about a YAML mapping names, and its value there."""
+    import ast
+
+    key = re.search(
+        r"Problem with given class_path '[\w.]+': (?:Parser key \"(\w+)\"|Option '(\w+)' is not accepted)", line
+    )
+    given = re.search(r"Given value type: <class 'dict'> Given value: (\{.*\})", line)
+    if key is None:
+        return None, None
+    name = key.group(1) or key.group(2)
+    try:
+        init_args = ast.literal_eval(given.group(1)).get("init_args", {}) if given else {}
+    except (ValueError, SyntaxError):
+        init_args = {}
+    return name, init_args.get(name) if isinstance(init_args, dict) else None
 
 
 PLAIN_TYPES = {"<class 'int'>": "a whole number", "<class 'float'>": "a number", "<class 'bool'>": "true or false"}
@@ -143,7 +169,11 @@ class Parser(LightningArgumentParser):
             if holder is not None and str(holder) not in line:
                 line = f"{holder}: {line}"
                 break
-        line = nested_option_error(line) or union_error(line) or line
+        nested = nested_option_error(line)
+        if nested and not nested.startswith("--"):  # a key of a YAML file: which file holds it
+            holder = next((p for p, data in self.config_files.items() if has_key(data, nested.split(":")[0])), None)
+            nested = f"{holder}: {nested}" if holder is not None else nested
+        line = nested or union_error(line) or line
         prog = parser.prog.replace(" [options]", "")
         script, _, rest = prog.partition(" ")
         if Path(sys.argv[0]).name == script:  # the script as the user typed it: from another folder, its path
@@ -180,11 +210,15 @@ def has_key(data: object, dotted: str) -> bool:
     """Whether the YAML ``data`` holds ``dotted`` (``trainer.max_epoch``), at its top or under a subcommand's key."""
     if isinstance(data, dict) and any(has_key(data.get(sub), dotted) for sub in LightningCLI.subcommands()):
         return True
-    for key in dotted.split("."):
-        if not isinstance(data, dict) or key not in data:
-            return False
-        data = data[key]
-    return True
+    return _holds(data, dotted.split("."))
+
+
+def _holds(data: object, keys: list[str]) -> bool:
+    if not keys:
+        return True
+    if isinstance(data, list):  # a callbacks: list: any of its entries
+        return any(_holds(item, keys) for item in data)
+    return isinstance(data, dict) and keys[0] in data and _holds(data[keys[0]], keys[1:])
 
 
 def strategy_options_by_name(argv: list[str]) -> list[str]:

@@ -158,6 +158,40 @@ def test_one_run_writes_one_log_folder_whatever_the_strategy(strategy, workdir):
     assert f"2 x cpu ({strategy})" in result.stdout + result.stderr
 
 
+YAML_MISTAKES = {
+    "choice": (
+        "trainer:\n  strategy:\n    class_path: app.strategies.HorovodStrategy\n    init_args:\n      op: adasumm\n",
+        "trainer.strategy.init_args.op: adasumm: must be one of average, sum, adasum;",
+    ),
+    "typo": (
+        "trainer:\n  strategy:\n    class_path: app.strategies.HorovodStrategy\n    init_args:\n      opp: adasum\n",
+        "trainer.strategy.init_args.opp: HorovodStrategy has no option 'opp' (did you mean op?);",
+    ),
+    "callback typo": (
+        "trainer:\n  callbacks:\n    - class_path: app.callbacks.LRWarmup\n      init_args:\n        warmup_stepz: 3\n",
+        "trainer.callbacks.init_args.warmup_stepz: LRWarmup has no option 'warmup_stepz' (did you mean warmup_steps?);",
+    ),
+    "model typo": (
+        "model:\n  class_path: tests.tiny.TinyClassifier\n  init_args:\n    widht: 3\n",
+        "model.init_args.widht: TinyClassifier has no option 'widht' (did you mean width?);",
+    ),
+}
+
+
+@pytest.mark.parametrize("mistake", YAML_MISTAKES)
+def test_the_same_mistakes_in_a_yaml_file_name_the_file_the_key_and_the_fix(mistake, workdir, capsys):
+    """As on the command line, not "--trainer.strategy=adasumm Given value type: <class 'dict'>" or jsonargparse's
+    union wall (issue 34, item 11)."""
+    text, want = YAML_MISTAKES[mistake]
+    (workdir / "mine.yaml").write_text(text)
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", "--config", str(TINY_CONFIG), "--config", "mine.yaml")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"error: mine.yaml: {want}"), err
+    assert "Union" not in err and "Given value" not in err
+
+
 def test_rerunning_a_runs_config_yaml_keeps_that_run_and_logs_to_a_new_folder(workdir, caplog):
     """A run's config.yaml names its logger version; run again with --config, it must not write into (and so
     delete the logs of) that earlier run."""
