@@ -10,12 +10,13 @@ import torch
 from app.callbacks import StopOnNonFinite
 from tests import warm
 from tests.conftest import ROOT, TINY_CONFIG
+from tests.parity import MPI_ENV
 
 
 def fit(cwd, root, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(TINY_CONFIG)]
     cmd += [f"--trainer.default_root_dir={root}", *extra]
-    environ = {**os.environ, "PYTHONPATH": str(ROOT)}
+    environ = {**os.environ, **MPI_ENV, "PYTHONPATH": str(ROOT)}
     return warm.run(cmd, capture_output=True, text=True, timeout=300, cwd=cwd, env=environ)
 
 
@@ -54,16 +55,17 @@ def test_a_diverging_run_stops_and_keeps_the_good_checkpoints(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_diverging_ddp_run_stops_every_rank_with_one_line(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "horovod"])
+def test_a_diverging_multi_process_run_stops_every_rank_with_one_line(strategy, tmp_path):
+    """Under the horovod self-launch the ranks' stop was followed by prterun's error box and a 20-line traceback
+    (issue 34, item 11): rank 0's line is the run's last, said once by the launcher."""
     result = fit(
-        tmp_path,
-        tmp_path / "runs",
-        "--trainer.strategy=ddp",
-        "--trainer.devices=2",
-        "--model.lr=1e30",
+        tmp_path, tmp_path / "runs", f"--trainer.strategy={strategy}", "--trainer.devices=2", "--model.lr=1e30"
     )
     assert result.returncode == 1, result.stderr[-3000:]
     assert result.stderr.count("error: training diverged") == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("error: training diverged"), result.stderr[-3000:]
+    assert "prterun" not in result.stderr and "Warning" not in result.stderr, result.stderr[-3000:]
     assert not list((tmp_path / "runs").rglob("*.ckpt"))
 
 

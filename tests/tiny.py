@@ -75,10 +75,13 @@ class TinyClassifier(LightningModule):
         self.norm1 = norm_layer(norm, width)
         self.blocks = nn.Sequential(*(Block(width, norm) for _ in range(blocks)))
         self.head = nn.Linear(width * SIZE * SIZE, classes)
-        self.train_loss = MeanMetric()  # the epoch's mean over all ranks' samples
+        # the epoch's mean over all ranks' samples; a diverged run's NaN is StopOnNonFinite's to report, not a warning
+        self.train_loss = MeanMetric(nan_strategy="ignore")
         self.train_acc = MulticlassAccuracy(classes, average="micro")
         self.val_acc = MulticlassAccuracy(classes, average="micro")
-        self.val_loss = MeanMetric()  # over all ranks' samples (sync_dist would average unequal shards' means)
+        self.val_loss = MeanMetric(
+            nan_strategy="ignore"
+        )  # over all ranks' samples (sync_dist would average unequal shards' means)
         self.test_acc = MulticlassAccuracy(classes, average="micro")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import app  # noqa: F401  (registers the strategies before anything is unpickled)
 from app.callbacks.preemption import catch_early_signals
-from app.errors import Preempted, UserError
+from app.errors import Diverged, Preempted, UserError
 from app.launcher import launcher_ranks
-from app.strategies.launch import PREEMPTED, USER_ERROR, process_alive
+from app.strategies.launch import DIVERGED, PREEMPTED, USER_ERROR, process_alive
 
 
 def main(job_path: str, result_path: str) -> None:
@@ -30,6 +30,11 @@ def main(job_path: str, result_path: str) -> None:
         tmp = workdir / f"user-error.{rank}"
         tmp.write_text(str(err))
         os.replace(tmp, workdir / USER_ERROR)
+    except Diverged as stop:  # every rank stops at the same step: the launcher says it once, as the last line
+        if rank == 0:
+            tmp = workdir / f"{DIVERGED}.{rank}"
+            tmp.write_text(stop.message)
+            os.replace(tmp, workdir / DIVERGED)
     except Preempted as stop:  # checkpointed and said so; the launcher exits with 128 + signal, mpirun with 0
         tmp = workdir / f"{PREEMPTED}.{rank}"
         tmp.write_text(str(stop.signum))

@@ -28,7 +28,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.loggers import CSVLogger
 
 from app.elastic import MPI_LAUNCH_DIR, MPI_RESTART, MPI_RESTARTS_LEFT, SAVED_STATE, keep_metrics_for_restart
-from app.errors import Preempted, UserError
+from app.errors import Diverged, Preempted, UserError
 from app.launcher import launcher_ranks
 from app.lightning_internals import ResultsLauncher, resume_from
 from app.strategies._reaper import kill_ranks, rank_pids
@@ -221,8 +221,9 @@ class MPIRunLauncher(ResultsLauncher):
                 flush=True,
             )
             raise Preempted(signum, checkpointed=False)
-        for stale in [*workdir.glob("rank-*.pid"), *workdir.glob(f"{SAVED_STATE}-*"), *workdir.glob(PREEMPTED)]:
-            stale.unlink()
+        for pattern in ("rank-*.pid", f"{SAVED_STATE}-*", PREEMPTED, DIVERGED):  # an earlier mpirun's
+            for stale in workdir.glob(pattern):
+                stale.unlink()
         job = workdir / "job.pkl"
         with open(job, "wb") as f:
             pickle.dump(main_module_preparation(), f)  # unpickled first, so the job's classes can be found
@@ -251,6 +252,8 @@ class MPIRunLauncher(ResultsLauncher):
             raise Preempted(signum)
         if (workdir / USER_ERROR).exists():
             raise UserError((workdir / USER_ERROR).read_text())
+        if (workdir / DIVERGED).exists():  # not restarted: the same weights would diverge again
+            raise Diverged((workdir / DIVERGED).read_text(), global_rank=0)
         return returncode
 
     def _prepare_restart(self, workdir: Path, restart: int, trainer, function, args, kwargs, failed: str):
@@ -324,6 +327,7 @@ def _interrupted(trainer, exception: BaseException) -> None:
 LAUNCH_PREFIX = "horovod-launch-"
 USER_ERROR = "user-error"  # a rank's bad-input message (app.errors.UserError), for the launcher to print once
 PREEMPTED = "preempted"  # the signal the ranks stopped for; they exit 0 (no mpirun error box), the launcher 128 + it
+DIVERGED = "diverged"  # rank 0's message when the loss stopped being finite; the ranks exit 0, the launcher 1
 
 
 def remove_stale_launch_folders() -> None:
