@@ -177,11 +177,6 @@ class CLI(CkptPathRule, LightningCLI):
         argv = sys.argv[1:] if self._args is None else list(self._args)
         devices_given = any(a == "--trainer.devices" or a.startswith("--trainer.devices=") for a in argv)
         job = torchrun_job()
-        if job is not None:
-            take_launcher_numbers(config.trainer, job, devices_given)
-        mpi = launcher_ranks()
-        if mpi is not None and not devices_given:
-            config.trainer.devices = mpi[3]
         continued: dict[Path, int] = {}
         if job is not None and job.restarts_possible and self.subcommand == "fit":
             continued, ckpt, config_name = continue_run_folder(loggers, job)
@@ -189,6 +184,11 @@ class CLI(CkptPathRule, LightningCLI):
                 self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": config_name, "overwrite": True}
             if ckpt:
                 self._elastic_ckpt = config.ckpt_path = ckpt
+        if job is not None:
+            take_launcher_numbers(config.trainer, job, devices_given, continuing=bool(continued))
+        mpi = launcher_ranks()
+        if mpi is not None and not devices_given:
+            config.trainer.devices = mpi[3]
         if not config.trainer.get("fast_dev_run"):  # (fast_dev_run logs nothing: Lightning swaps the loggers out)
             self._claimed = claim_versions(loggers, continued)  # version_N made now: no other run can take it
         if job is not None and job.restarts_possible and self.subcommand == "fit":

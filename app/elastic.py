@@ -80,13 +80,16 @@ def torchrun_restarts_possible() -> bool:
     return job is not None and job.restarts_possible
 
 
-def take_launcher_numbers(trainer_config, job: TorchrunJob, devices_given: bool = True) -> None:
+def take_launcher_numbers(
+    trainer_config, job: TorchrunJob, devices_given: bool = True, continuing: bool = False
+) -> None:
     """Put torchrun's processes per node and node count into the trainer settings.
 
     ``--trainer.devices`` (left at auto, or set by a config file rather than on the command line: ``devices_given``
     false) and ``--trainer.num_nodes`` (left at 1) are taken from the launcher. A value given that disagrees is one
-    line naming both numbers; after a restart that changed the number of nodes, the launcher's count replaces a
-    given ``num_nodes`` (the job re-formed without, or with more, nodes).
+    line naming both numbers; in a start that continues the job's run (``continuing``: a restart or a node joining,
+    after a first start that trained), the launcher's count replaces a given ``num_nodes`` (the job re-formed
+    without, or with more, nodes). A restart after a first start that was refused is refused the same way.
     """
     strategy = trainer_config.strategy
     name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "")
@@ -112,7 +115,7 @@ def take_launcher_numbers(trainer_config, job: TorchrunJob, devices_given: bool 
     nodes = trainer_config.num_nodes
     if nodes in (1, None) or nodes == job.nodes:
         trainer_config.num_nodes = job.nodes
-    elif job.restart_count > 0:
+    elif continuing:
         rank_zero_info(
             f"torchrun re-formed the job with {job.nodes} node(s): --trainer.num_nodes {nodes} -> {job.nodes}"
         )

@@ -516,8 +516,31 @@ def test_settings_that_disagree_with_torchrun_are_one_line(monkeypatch, settings
 def test_after_a_restart_the_launchers_node_count_wins(monkeypatch):
     torchrun_env(monkeypatch, world=2, local=2, restart=1)  # the job had 2 nodes; one was lost
     config = trainer_config(num_nodes=2)
-    take_launcher_numbers(config, torchrun_job())
+    take_launcher_numbers(config, torchrun_job(), continuing=True)
     assert config.num_nodes == 1
+
+
+def test_num_nodes_that_torchrun_did_not_start_is_refused_at_every_start(tmp_path):
+    port = find_free_network_port()
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=1", "--max-restarts=1"),
+        *("--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", str(ROOT / "cli.py"), "fit"),
+        *("--config", str(TINY_CONFIG), "--trainer.num_nodes=2", f"--trainer.default_root_dir={tmp_path / 'runs'}"),
+    ]
+    result = subprocess.run(command, cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    refused = "error: --trainer.num_nodes=2, but torchrun started 1 node(s) (--nnodes)"
+    assert output.count(refused) == 2, output[-3000:]  # the first start and torchrun's restart
+    assert not list((tmp_path / "runs").rglob("*.ckpt"))
+
+
+def test_a_restart_after_a_refused_first_start_is_refused_too(monkeypatch):
+    """--trainer.num_nodes=2 on one node: the first start is refused, and torchrun restarts it; that restart has no
+    run to continue, so it is refused the same way instead of quietly training on one node (issue 34, item 11)."""
+    torchrun_env(monkeypatch, world=2, local=2, restart=1)
+    with pytest.raises(UserError, match=r"--trainer.num_nodes=2, but torchrun started 1 node\(s\)"):
+        take_launcher_numbers(trainer_config(num_nodes=2), torchrun_job(), continuing=False)
 
 
 def rank_of_two(rank: int, rank0_decided: dict) -> SimpleNamespace:
