@@ -499,6 +499,7 @@ BAD_INPUT = {
         "--trainer.strategy.timeout=0:00:00: use a finite duration > 0, in seconds (600) or as H:MM:SS",
     ),
     "fusion_mb inf": (["--trainer.strategy=horovod", "--trainer.strategy.fusion_mb=1e400"], "fusion_mb=inf must be"),
+    "horovod timeout in YAML": (["--config=timeout.yaml"], "--trainer.strategy.timeout=-5: use a finite number"),
     "accumulate 0": (["--trainer.accumulate_grad_batches=0"], "--trainer.accumulate_grad_batches=0: use a whole"),
     "val_check_interval > batches": (["--trainer.val_check_interval=50.0"], "--trainer.val_check_interval=50.0: `val"),
     "lightning_logs is a file": (["--trainer.default_root_dir=blocked"], "blocked/lightning_logs: is a file"),
@@ -525,6 +526,8 @@ def bad_input_dir(tmp_path_factory):
     torch.save({**checkpoint, "payload": _Payload()}, cwd / "pickled.ckpt")
     torch.save({**checkpoint, "hyper_parameters": {**checkpoint["hyper_parameters"], "classes": 5}}, cwd / "other.ckpt")
     (cwd / "typo.yaml").write_text("trainer:\n  max_epoch: 3\n")
+    strategy = "trainer:\n  strategy:\n    class_path: app.strategies.HorovodStrategy\n    init_args:\n"
+    (cwd / "timeout.yaml").write_text(strategy + "      timeout: -5\n")
     (cwd / "broken.yaml").write_text("trainer:\n  max_epochs: [3\n")
     return cwd
 
