@@ -103,7 +103,7 @@ class HorovodStrategy(ParallelStrategy):
         if max_restarts < 0:
             raise UserError(f"--trainer.strategy.max_restarts={max_restarts} must be >= 0 (0: no restarts)")
         if not math.isfinite(timeout) or timeout <= 0:  # torch failed in C++ at the first collective, 100 lines
-            raise UserError(f"--trainer.strategy.timeout={timeout:g}: use a finite number of seconds > 0 (default 1800)")
+            raise UserError(f"--trainer.strategy.timeout={timeout:g}: use a finite number of seconds > 0, such as 1800")
         if not math.isfinite(fusion_mb) or fusion_mb < 0:
             raise UserError(f"--trainer.strategy.fusion_mb={fusion_mb} must be a finite number >= 0 (0: no fusion)")
         if backend == "horovod" and not horovod_available():
