@@ -25,8 +25,9 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    :func:`resuming_fit` and :func:`shift_batch_count` (an elastic restart lines the batch count up with the
    re-dealt loader), :func:`fit_loop_state` (the loops' state after a step).
 8. The layout of ``checkpoint["loops"]``: :func:`epochs_done`, :func:`validation_progress`,
-   :func:`restart_validation` and :func:`restart_checkpoint_validation` (a stop or a lost rank in validation
-   restarts it in full), :func:`put_fit_loop_state` (the state of the last completed step).
+   :func:`fit_loop_of`, :func:`restart_validation` (a stop or a lost rank in validation
+   restarts it in full), :func:`validation_follows` and :func:`resume_into_validation` (one right before a
+   validation runs it), :func:`put_fit_loop_state` (the state of the last completed step).
 9. :func:`saving_alone` — ``Trainer.save_checkpoint`` on a broken process group: the strategy's barrier and its
    rank-0-only save, replaced for the duration of one save.
 """
@@ -180,9 +181,27 @@ def restart_validation(fit_loop: dict) -> None:
     progress["is_last_batch"] = False
 
 
-def restart_checkpoint_validation(checkpoint: dict) -> None:
-    """:func:`restart_validation` on the fit loop state inside a checkpoint being saved."""
-    restart_validation(checkpoint["loops"]["fit_loop"])
+def fit_loop_of(checkpoint: dict) -> dict:
+    """The fit loop state inside a checkpoint (as :func:`fit_loop_state` gives it), to change before it is saved."""
+    return checkpoint["loops"]["fit_loop"]
+
+
+def validation_follows(trainer) -> bool:
+    """In ``on_train_batch_end``: whether a validation runs right after this batch (the epoch's last batch, or a
+    ``val_check_interval`` one), by Lightning's own test."""
+    loop = trainer.fit_loop
+    return bool(loop.epoch_loop._should_check_val_fx(loop._data_fetcher))
+
+
+def resume_into_validation(fit_loop: dict) -> None:
+    """Make a fit loop state taken in ``on_train_batch_end`` of a batch that a validation follows
+    (:func:`validation_follows`) resume by running that validation. Lightning resumes such a state by fast-forwarding
+    past the validation (at an epoch's end: the epoch then has no validation, no val row, no epoch checkpoint). As
+    the state at that validation's start: the batch counts as completed, and the validation restarts in full."""
+    progress = fit_loop["epoch_loop.batch_progress"]
+    for tracker in ("current", "total"):
+        progress[tracker]["completed"] = progress[tracker]["processed"]
+    restart_validation(fit_loop)
 
 
 def put_fit_loop_state(checkpoint: dict, state: dict) -> None:

@@ -2,20 +2,23 @@
 
 A fault acts once, in the processes it names (a global rank, or the torchrun node whose agent was started with
 ``LOSE_THIS_NODE=1``), and only in the launcher start it names (torchrun's ``TORCHELASTIC_RESTART_COUNT`` or the horovod
-self-launch's ``TEMPLATE_MPI_RESTART``; 0 is the first start), so a restarted job runs undisturbed.
+self-launch's ``TEMPLATE_MPI_RESTART``; 0 is the first start), so a restarted job runs undisturbed. With ``once`` (a
+file) and ``start=-1`` it acts in whichever start reaches it first, once across all of them (tests/chaos.py).
 
 Points (``at``), each after optimizer step ``step`` of the run:
 
 - ``step``: at the end of the batch that made the step (``batch`` >= 0: instead at the end of that batch index of the
   first epoch, which with gradient accumulation may lie inside a window);
+- ``window``: at the end of a batch inside the accumulation window after the step (one that made no step);
 - ``next_batch``: at the start of the next training batch (before its forward);
 - ``validation``: at the start of validation batch ``batch`` (default 0) of the validation that follows the step;
 - ``save``: inside a checkpoint save (``on_save_checkpoint``).
 
 Actions (``action``): ``kill`` (SIGKILL this process: a lost rank), ``kill_node`` (SIGKILL this worker's torchrun
 agent and then itself: a lost machine), ``pause`` (sleep ``seconds``: a slow rank), ``sigterm`` (SIGTERM to this
-process: a preemption notice), ``sigstop`` (a hung process), ``error`` (a bug: RuntimeError), ``disk_full`` (the
-save raises ``OSError(ENOSPC)``; only at ``save``).
+process: a preemption notice), ``wait_for_harness`` (write ``once``, then wait until a SIGTERM comes: the chaos
+harness starts a node that torchrun takes in, or stops the whole job, when it sees the file), ``sigstop`` (a hung
+process), ``error`` (a bug: RuntimeError), ``disk_full`` (the save raises ``OSError(ENOSPC)``; only at ``save``).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import time
 
 from lightning.pytorch import Callback
 
-POINTS = ("step", "next_batch", "validation", "save")
-ACTIONS = ("kill", "kill_node", "pause", "sigterm", "sigstop", "error", "disk_full")
+POINTS = ("step", "window", "next_batch", "validation", "save")
+ACTIONS = ("kill", "kill_node", "pause", "sigterm", "wait_for_harness", "sigstop", "error", "disk_full")
 
 
 def launcher_start() -> int:
@@ -46,6 +49,7 @@ class Fault(Callback):
         start: int = 0,
         batch: int = -1,
         seconds: float = 0.0,
+        once: str = "",
     ) -> None:
         """
         Args:
@@ -54,26 +58,33 @@ class Fault(Callback):
             action: What: one of ``ACTIONS``.
             rank: The global rank that acts (-1: every rank, or the node's with ``node``).
             node: Act only in the worker whose agent has ``LOSE_THIS_NODE=1`` in its environment.
-            start: The launcher start it acts in (0: the first).
+            start: The launcher start it acts in (0: the first; -1: any, with ``once``).
             batch: ``at="step"``: a batch index of the first epoch instead of a step; ``at="validation"``: which
                 validation batch (default 0).
-            seconds: ``action="pause"``: how long.
+            seconds: ``action="pause"``: how long; ``wait_for_harness``: the longest wait.
+            once: A file: the fault acts only while it does not exist, and creates it first (across restarts).
         """
         if at not in POINTS or action not in ACTIONS:
             raise ValueError(f"Fault(at={at!r}, action={action!r}): at is one of {POINTS}, action one of {ACTIONS}")
         self.at, self.step, self.action, self.rank, self.node = at, step, action, rank, node
-        self.start, self.batch, self.seconds = start, batch, seconds
+        self.start, self.batch, self.seconds, self.once = start, batch, seconds, once
         self.done = False
+        self._step_at_batch_start = -1
 
     def _mine(self, trainer) -> bool:
-        if self.done or launcher_start() != self.start:
+        if self.done or (self.start >= 0 and launcher_start() != self.start):
+            return False
+        if self.once and os.path.exists(self.once):
             return False
         if self.node and os.environ.get("LOSE_THIS_NODE") != "1":
             return False
         return self.rank < 0 or trainer.global_rank == self.rank
 
-    def _act(self) -> None:
+    def _act(self, trainer=None) -> None:
         self.done = True
+        if self.once:
+            with open(self.once, "a") as f:  # every rank may act (sigterm_agent): each appends its line
+                f.write(f"{os.getpid()} {time.time()}\n")
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "kill_node":
@@ -83,6 +94,13 @@ class Fault(Callback):
             time.sleep(self.seconds)
         elif self.action == "sigterm":
             os.kill(os.getpid(), signal.SIGTERM)
+        elif self.action == "wait_for_harness":  # the chaos harness acts when it sees ``once`` (starts a node,
+            from app.callbacks import Preemption  # stops the job): wait until that stops this worker with SIGTERM
+
+            [preemption] = [c for c in trainer.callbacks if isinstance(c, Preemption)]
+            deadline = time.monotonic() + (self.seconds or 240)
+            while not preemption.received and time.monotonic() < deadline:
+                time.sleep(0.1)
         elif self.action == "sigstop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.action == "error":
@@ -91,6 +109,10 @@ class Fault(Callback):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        stepped = trainer.global_step != self._step_at_batch_start
+        if self.at == "window" and not stepped and trainer.global_step == self.step and self._mine(trainer):
+            self._act(trainer)  # after a batch inside an accumulation window
+            return
         if self.at != "step" or not self._mine(trainer):
             return
         if (
@@ -98,17 +120,18 @@ class Fault(Callback):
             if self.batch >= 0
             else trainer.global_step == self.step
         ):
-            self._act()
+            self._act(trainer)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._step_at_batch_start = trainer.global_step
         if self.at == "next_batch" and self._mine(trainer) and trainer.global_step == self.step:
-            self._act()
+            self._act(trainer)
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         at_batch = batch_idx == max(self.batch, 0) and trainer.global_step == self.step
         if self.at == "validation" and not trainer.sanity_checking and at_batch and self._mine(trainer):
-            self._act()
+            self._act(trainer)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self.at == "save" and self._mine(trainer) and trainer.global_step >= self.step:
-            self._act()
+            self._act(trainer)

@@ -2,7 +2,8 @@
 
 Samples are named by their input's bytes, looked up in the data module's training set (a ``TensorDataset``): the
 record does not depend on the loader's bookkeeping that the tests check. One JSON line per batch:
-``{"rank", "world", "epoch", "step", "ids", "time"}``, where ``step`` is the optimizer step count before the batch.
+``{"rank", "world", "epoch", "step", "ids", "time", "start"}``, where ``step`` is the optimizer step count before the
+batch and ``start`` names the launcher start (the rendezvous address and port, new at every start).
 """
 
 import json
@@ -10,6 +11,7 @@ import os
 import time
 from pathlib import Path
 
+import torch.distributed
 from lightning.pytorch import Callback
 
 
@@ -32,12 +34,18 @@ class RecordSamples(Callback):
         self._file = (self.folder / name).open("a", buffering=1)
         datamodule = trainer.datamodule
         before = datamodule.on_before_batch_transfer
+        environment = getattr(trainer.strategy, "cluster_environment", None)
+        start = f"{getattr(environment, 'main_address', '')}:{getattr(environment, 'main_port', '')}:{os.getpid()}"
+        if trainer.world_size > 1 and torch.distributed.is_initialized():  # one name for all ranks of the start
+            names = [None] * trainer.world_size
+            torch.distributed.all_gather_object(names, start)
+            start = names[0]
 
         def record(batch, dataloader_idx: int):
             if trainer.training and not trainer.sanity_checking:
                 ids = [self._ids[image.numpy().tobytes()] for image in batch[0]]
                 line = {"rank": trainer.global_rank, "world": trainer.world_size, "epoch": trainer.current_epoch}
-                line.update(step=trainer.global_step, ids=ids, time=time.time())
+                line.update(step=trainer.global_step, ids=ids, time=time.time(), start=start)
                 self._file.write(json.dumps(line) + "\n")
                 self._file.flush()
                 os.fsync(self._file.fileno())

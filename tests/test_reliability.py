@@ -201,6 +201,27 @@ def test_sigterm_in_validation_stops_within_two_batches_and_resumes_bit_identica
         assert got[key] == expected_metrics[key], key  # epoch 1's validation included, over all its batches
 
 
+@pytest.mark.parametrize(("strategy", "rank", "before"), [("single", 0, 1), ("ddp", 1, 2)])
+def test_a_stop_at_an_epochs_last_step_resumes_into_its_validation(strategy, rank, before, reference, workdir):
+    """The stop lands on epoch 1's last training batch (the signal comes just after the checks of the step
+    ``before`` it; ranks agree one step later): Lightning resumed such a state by skipping the epoch's validation
+    (no val row, no epoch checkpoint; found by the chaos test). The resumed run validates epoch 1 and ends
+    bit-identical to an unbroken run, its metrics too."""
+    end_of_epoch_1 = 2 * STEPS_PER_EPOCH
+    stopped = fit(workdir, *STRATEGIES[strategy], signal_at_step(end_of_epoch_1 - before, "SIGTERM", rank))
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 143, output[-3000:]
+    assert f"stopped after step {end_of_epoch_1} (epoch 1)" in output, output[-3000:]
+    resumed = fit(workdir, *STRATEGIES[strategy], "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, expected_metrics = reference(strategy)
+    v0, v1 = versions(workdir)
+    assert_same_weights(last_ckpt(v1), expected)
+    got = metrics(v0, v1)
+    for key in ("train/loss", "val/acc", "val/loss"):
+        assert got[key] == expected_metrics[key], key  # epoch 1's validation included
+
+
 def test_a_float64_run_stopped_and_resumed_is_bitwise_an_unbroken_one(tmp_path):
     """64-true: Lightning loads a checkpoint's weights into the module before the precision plugin makes it float64,
     so they passed through float32 and the resumed run ended 6.7e-4 away (issue 34, item 5). The parity checks run

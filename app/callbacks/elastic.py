@@ -52,9 +52,11 @@ from app.lightning_internals import (
     fit_loop_state,
     put_fit_loop_state,
     restart_validation,
+    resume_into_validation,
     resuming_fit,
     saving_alone,
     shift_batch_count,
+    validation_follows,
 )
 from app.loader import ResumableLoader
 
@@ -259,8 +261,12 @@ class Elastic(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self.restartable and (self._last_step is None or self._last_step[0] != trainer.global_step):
             # The position after an optimizer step, where Lightning's own step checkpoints are taken: the loops' and
-            # the loader's counters, in new dicts (~0.2 ms on a slow 2-core CPU, once per optimizer step).
-            self._last_step = (trainer.global_step, fit_loop_state(trainer))
+            # the loader's counters, in new dicts (~0.2 ms on a slow 2-core CPU, once per optimizer step). Before a
+            # validation (an epoch's last batch), as the state at its start: a restart from there runs it.
+            loops = fit_loop_state(trainer)
+            if validation_follows(trainer):
+                resume_into_validation(loops)
+            self._last_step = (trainer.global_step, loops)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self._saving_loops is not None:

@@ -36,7 +36,14 @@ from lightning.pytorch.utilities import rank_zero_info
 from app.callbacks.progress import console_print, live_bar_console
 from app.elastic import torchrun_restarts_possible
 from app.errors import Preempted
-from app.lightning_internals import log_step_now, restart_checkpoint_validation, take_over_local_ranks
+from app.lightning_internals import (
+    fit_loop_of,
+    log_step_now,
+    restart_validation,
+    resume_into_validation,
+    take_over_local_ranks,
+    validation_follows,
+)
 
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
 
@@ -83,6 +90,7 @@ class Preemption(Callback):
         self._previous: dict[int, object] = {}
         self._rank = 0
         self._stopping_in_validation = False
+        self._stopping_before_validation = False  # stopped after a batch that a validation follows
         self._trainer: Trainer | None = None
         self._announce = ""  # the "received" line, waiting for the next step's end while a bar is live
         self._local_ranks: list[subprocess.Popen] = []
@@ -182,6 +190,7 @@ class Preemption(Callback):
         # checkpoint is then taken where Lightning's own step checkpoints are (before the batch counts as completed).
         pl_module.on_train_batch_end(outputs, batch, batch_idx)
         log_step_now(trainer)
+        self._stopping_before_validation = validation_follows(trainer)  # the resumed run must run it
         path = self._save(trainer)
         name = signal.Signals(signum).name
         console_print(
@@ -214,9 +223,10 @@ class Preemption(Callback):
         raise Preempted(signum)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
-        if not self._stopping_in_validation:
-            return
-        restart_checkpoint_validation(checkpoint)  # the resumed run validates the epoch in full
+        if self._stopping_in_validation:
+            restart_validation(fit_loop_of(checkpoint))  # the resumed run validates the epoch in full
+        elif self._stopping_before_validation:
+            resume_into_validation(fit_loop_of(checkpoint))
 
     def _save(self, trainer) -> Path | None:
         callback = trainer.checkpoint_callback
