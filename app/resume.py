@@ -9,6 +9,7 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from app.arguments import strategy_options_by_name, timeout_in_seconds
 from app.checkpoint_io import check_compatible, load_checkpoint, saved_class
 from app.checks import init_parameters
 from app.errors import UserError
@@ -212,6 +213,8 @@ class CkptPathRule:
     def _explicit_model_settings(self, subcommand: str) -> dict:
         """The ``--model`` settings this command gives itself (flags and --config files), without the defaults."""
         args = self._args if isinstance(self._args, list) else sys.argv[1:]
+        # read as the command line was (a strategy's options after its short name: --trainer.strategy=horovod ...)
+        args = strategy_options_by_name(timeout_in_seconds(args))
         given = self.parser.parse_args(args, defaults=False)[subcommand].get("model")
         if given is not None and self.subclass_mode_model:
             given = given.get("init_args")

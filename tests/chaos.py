@@ -88,6 +88,7 @@ class Job:
     faults: int
     epochs: int
     folder: Path
+    kinds: tuple[str, ...] = tuple(KINDS)  # the kinds of fault the schedule draws from
     devices: int = field(init=False)
     schedule: list[Fault] = field(default_factory=list)
 
@@ -147,6 +148,9 @@ def make_schedule(job: Job) -> list[Fault]:
             kinds = ["stop_all"] + (["join"] if world == 1 else [k for k in KINDS if k.startswith("lose_node")])
         else:
             kinds = ["stop_launcher"] + ([k for k in KINDS if k.startswith("lose_rank")] if world > 1 else [])
+        kinds = [k for k in kinds if k in job.kinds]
+        if not kinds:
+            break
         kind = rng.choice(kinds)
         at = step
         if kind.endswith(("in_validation", "in_save")):
@@ -357,12 +361,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--faults", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS), help="the faults to draw from")
     parser.add_argument("--baseline", action="store_true", help="also time the job without faults")
     parser.add_argument("--keep", type=Path, help="a folder for the runs and logs (default: a temporary one)")
     args = parser.parse_args(argv)
     folder = args.keep or Path(tempfile.mkdtemp(prefix="chaos-"))
     folder.mkdir(parents=True, exist_ok=True)
-    job = Job(args.launcher, args.seed, args.faults, args.epochs, folder)
+    job = Job(args.launcher, args.seed, args.faults, args.epochs, folder, tuple(args.kinds))
     print(f"{args.launcher}, seed {args.seed}: {job.steps} steps, global batch {job.global_batch}; faults:")
     for fault in job.schedule:
         rank = f" rank {fault.rank}" if fault.rank >= 0 else ""

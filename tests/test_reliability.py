@@ -222,6 +222,17 @@ def test_a_stop_at_an_epochs_last_step_resumes_into_its_validation(strategy, ran
         assert got[key] == expected_metrics[key], key  # epoch 1's validation included
 
 
+def test_a_resume_takes_a_strategys_options_after_its_name(tmp_path):
+    """--ckpt_path with --trainer.strategy=NAME --trainer.strategy.OPTION: the check of the checkpoint's settings
+    read the command line without the strategy's options and failed with jsonargparse's union error (found by the
+    chaos test's horovod restarts with --trainer.strategy.max_restarts)."""
+    assert fit(tmp_path, "--trainer.max_epochs=1").returncode == 0
+    options = ("--trainer.strategy=ddp", "--trainer.strategy.timeout=600", "--trainer.devices=1")
+    resumed = fit(tmp_path, *options, "--trainer.max_epochs=2", "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert last_ckpt(versions(tmp_path)[-1])["global_step"] == 2 * STEPS_PER_EPOCH
+
+
 def test_a_float64_run_stopped_and_resumed_is_bitwise_an_unbroken_one(tmp_path):
     """64-true: Lightning loads a checkpoint's weights into the module before the precision plugin makes it float64,
     so they passed through float32 and the resumed run ended 6.7e-4 away (issue 34, item 5). The parity checks run

@@ -73,6 +73,16 @@ def say(trainer, message: str) -> None:
         sys.stderr.flush()
 
 
+METRICS_ROWS_TO_KEEP = "metrics.rows-to-keep"
+
+
+def keep_metrics_rows(trainer, rows: int) -> None:
+    """Rank 0, failing: the restart puts only the first ``rows`` rows of metrics.csv back."""
+    for logger in trainer.loggers:
+        if isinstance(logger, CSVLogger):
+            (Path(logger.log_dir) / METRICS_ROWS_TO_KEEP).write_text(f"{rows}\n")
+
+
 def _devices_per_process(trainer) -> int:
     return getattr(trainer.strategy, "devices_per_process", 1)
 
@@ -100,6 +110,8 @@ class Elastic(Callback):
         self.restartable = False
         self.saved_after_failure: str | None = None  # the last.ckpt this rank wrote when its collective failed
         self.started_as: dict | None = None  # the run's first shape, for a restart that has no state to resume from
+        self._rows = 0  # rank 0: metrics.csv rows logged so far (a restarting launcher's run only)
+        self._rows_before_validation: int | None = None
 
     # ---------------------------------------------------------------- the run's shape, saved and restored
     def state_dict(self) -> dict:
@@ -117,6 +129,25 @@ class Elastic(Callback):
             warnings.filterwarnings(
                 "ignore", message=r"Checkpoint directory .* exists and is not empty", module=r"lightning\.pytorch"
             )
+        if self.restartable and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                if isinstance(logger, CSVLogger):
+                    self._count_rows(logger)
+
+    def _count_rows(self, logger: CSVLogger) -> None:
+        """Count metrics.csv's rows (one per ``log_metrics`` call) so that a failure in validation can tell the
+        restart which rows came before it: the restart validates again and logs that validation's rows anew."""
+        log_metrics = logger.log_metrics
+
+        def counted(*args, **kwargs):
+            self._rows += 1
+            return log_metrics(*args, **kwargs)
+
+        logger.log_metrics = counted
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self._rows_before_validation = self._rows
 
     def on_fit_start(self, trainer, pl_module) -> None:
         """Before the loops read them: batch counts given for another world size are rescaled to this one."""
@@ -159,18 +190,21 @@ class Elastic(Callback):
             return
         devices = trainer.world_size * _devices_per_process(trainer)
         device_batch = loader.batch_size // _devices_per_process(trainer)
-        restored = self._restored
-        if restored and restored.get("devices") != devices and resuming_fit(trainer):
+        given = {"devices": devices, "device_batch": device_batch, "accumulate": trainer.accumulate_grad_batches}
+        restored = self._restored if resuming_fit(trainer) else None
+        if restored and restored.get("devices") != devices:
             self._line_up_batches(trainer, loader)
-            if self.keep_global_batch:
-                self._keep_global_batch(trainer, restored, devices, device_batch)
-        elif self.keep_global_batch and not restored and (self.started_as or {}).get("devices", devices) != devices:
-            self._keep_global_batch(trainer, self.started_as, devices, device_batch)  # a restart from the start
+        if self.keep_global_batch and restored:
+            self._keep_global_batch(trainer, restored, devices, device_batch)
+        elif self.keep_global_batch and self.started_as and not self._restored:  # a restart from the start
+            self._keep_global_batch(trainer, {**self.started_as, "fresh": True}, devices, device_batch)
+        first = (restored or self.started_as or {}).get("first") or restored or self.started_as or given
         self._shape = {
             "devices": devices,
             "device_batch": device_batch,
             "accumulate": trainer.accumulate_grad_batches,
             "counts": self._counts,
+            "first": {k: first[k] for k in ("devices", "device_batch", "accumulate")},  # the run's, as it started
         }
         if self.restartable:  # a lost peer's verdict waits until this rank saved (on_exception)
             for watchdog in trainer.callbacks:
@@ -206,24 +240,31 @@ class Elastic(Callback):
         shift_batch_count(trainer, loader.first_batch() - batch_count(trainer))
 
     def _keep_global_batch(self, trainer, restored: dict, devices: int, device_batch: int) -> None:
-        accumulate = trainer.accumulate_grad_batches
-        if restored.get("device_batch") != device_batch or restored.get("accumulate") != accumulate:
+        """Train on with the global batch the run started with (recorded in every checkpoint as ``first``): the
+        accumulation that gives it at this number of devices, or, when none does, the accumulation as given and the
+        learning rate scaled by the linear scaling rule from the one the checkpoint trained with."""
+        given = trainer.accumulate_grad_batches
+        first = restored.get("first") or restored  # (a checkpoint from before "first" was recorded: its own shape)
+        if first.get("device_batch") != device_batch or first.get("accumulate") != given:
             return  # the batch or the accumulation were changed on purpose: they stand as given
-        before = restored["devices"] * accumulate  # per-device batches per optimizer step
+        target = first["devices"] * first["accumulate"]  # per-device batches per optimizer step, as it started
+        used = target if restored.get("fresh") else restored["devices"] * restored["accumulate"]
+        accumulate = target // devices if target % devices == 0 else given
+        factor = devices * accumulate / used
         was = f"{restored['devices']} -> {devices} devices"
-        if before % devices == 0:
-            trainer.accumulate_grad_batches = before // devices
+        if accumulate != given:
+            trainer.accumulate_grad_batches = accumulate
             rank_zero_info(
-                f"{was}: accumulate_grad_batches {accumulate} -> {before // devices} keeps the global batch "
-                f"{before * device_batch}"
+                f"{was}: accumulate_grad_batches {given} -> {accumulate} keeps the global batch {target * device_batch}"
             )
+        if factor == 1:
             return
-        factor = devices / restored["devices"]
+        change = (
+            f"{was}: the global batch {used * device_batch} -> {devices * accumulate * device_batch} ({target} is not "
+            f"a multiple of {devices})"
+        )
         if any(getattr(c, "scale_lr", "none") != "none" for c in trainer.callbacks):
-            rank_zero_info(
-                f"{was}: the global batch {before * device_batch} -> {devices * accumulate * device_batch} "
-                f"({before} is not a multiple of {devices}); LRWarmup's scaling rule sets the learning rate"
-            )
+            rank_zero_info(f"{change}; LRWarmup's scaling rule sets the learning rate")
             return
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:
@@ -233,10 +274,7 @@ class Elastic(Callback):
         for config in trainer.lr_scheduler_configs:
             if hasattr(config.scheduler, "base_lrs"):
                 config.scheduler.base_lrs = [lr * factor for lr in config.scheduler.base_lrs]
-        rank_zero_info(
-            f"{was}: the global batch {before * device_batch} -> {devices * accumulate * device_batch} ({before} is "
-            f"not a multiple of {devices}); learning rate x {factor:.4g} (linear scaling rule)"
-        )
+        rank_zero_info(f"{change}; learning rate x {factor:.4g} (linear scaling rule)")
 
     def _continue_metrics(self, trainer) -> None:
         for logger in trainer.loggers:
@@ -247,6 +285,10 @@ class Elastic(Callback):
                 continue
             with kept.open(newline="") as f:
                 rows = list(csv.DictReader(f))
+            keep = Path(logger.log_dir) / METRICS_ROWS_TO_KEEP
+            if keep.is_file():  # the run failed in a validation that this one does again: not its rows
+                rows = rows[: int(keep.read_text())]
+                keep.unlink()
             for row in rows:
                 step = int(row.pop("step"))
                 if step >= trainer.global_step:
@@ -267,6 +309,7 @@ class Elastic(Callback):
             if validation_follows(trainer):
                 resume_into_validation(loops)
             self._last_step = (trainer.global_step, loops)
+            self._rows_before_validation = None  # no validation since this step (yet)
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self._saving_loops is not None:
@@ -293,6 +336,9 @@ class Elastic(Callback):
         if trainer.validating:  # the weights are the last step's; the restart validates this epoch again in full
             loops = fit_loop_state(trainer)
             restart_validation(loops)
+        if trainer.is_global_zero and self._rows_before_validation is not None:
+            # a validation ran (or runs) since the step, and the restart does it again: not its rows
+            keep_metrics_rows(trainer, self._rows_before_validation)
         callback = trainer.checkpoint_callback
         metrics = dict(trainer.callback_metrics, epoch=trainer.current_epoch, step=step)
         path = callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST)
