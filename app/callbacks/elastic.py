@@ -23,6 +23,7 @@ On by default. Three things, each only where it applies:
 from __future__ import annotations
 
 import csv
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -77,10 +78,14 @@ METRICS_ROWS_TO_KEEP = "metrics.rows-to-keep"
 
 
 def keep_metrics_rows(trainer, rows: int) -> None:
-    """Rank 0, failing: the restart puts only the first ``rows`` rows of metrics.csv back."""
+    """A survivor, failing: the restart puts only the first ``rows`` rows of metrics.csv back (survivors write the
+    same number)."""
     for logger in trainer.loggers:
         if isinstance(logger, CSVLogger):
-            (Path(logger.log_dir) / METRICS_ROWS_TO_KEEP).write_text(f"{rows}\n")
+            path = Path(logger.log_dir) / METRICS_ROWS_TO_KEEP
+            tmp = path.with_name(f".{path.name}.{trainer.global_rank}")
+            tmp.write_text(f"{rows}\n")
+            os.replace(tmp, path)
 
 
 def _devices_per_process(trainer) -> int:
@@ -110,7 +115,7 @@ class Elastic(Callback):
         self.restartable = False
         self.saved_after_failure: str | None = None  # the last.ckpt this rank wrote when its collective failed
         self.started_as: dict | None = None  # the run's first shape, for a restart that has no state to resume from
-        self._rows = 0  # rank 0: metrics.csv rows logged so far (a restarting launcher's run only)
+        self._rows = 0  # metrics.csv's rows so far, known on every rank (a restarting launcher's run only)
         self._rows_before_validation: int | None = None
 
     # ---------------------------------------------------------------- the run's shape, saved and restored
@@ -129,14 +134,15 @@ class Elastic(Callback):
             warnings.filterwarnings(
                 "ignore", message=r"Checkpoint directory .* exists and is not empty", module=r"lightning\.pytorch"
             )
-        if self.restartable and trainer.is_global_zero:
+        if self.restartable:
             for logger in trainer.loggers:
                 if isinstance(logger, CSVLogger):
                     self._count_rows(logger)
 
     def _count_rows(self, logger: CSVLogger) -> None:
-        """Count metrics.csv's rows (one per ``log_metrics`` call) so that a failure in validation can tell the
-        restart which rows came before it: the restart validates again and logs that validation's rows anew."""
+        """Count metrics.csv's rows (one per ``log_metrics`` call; every rank makes the calls, rank 0's write) so
+        that a survivor of a failure in validation, whichever rank, can tell the restart which rows came before it:
+        the restart validates again and logs that validation's rows anew."""
         log_metrics = logger.log_metrics
 
         def counted(*args, **kwargs):
@@ -210,8 +216,11 @@ class Elastic(Callback):
             for watchdog in trainer.callbacks:
                 if isinstance(watchdog, RankWatchdog):
                     watchdog.expect_save()
-        if trainer.is_global_zero:
-            self._continue_metrics(trainer)
+        restored_rows = self._continue_metrics(trainer) if trainer.is_global_zero else 0
+        if self.restartable and trainer.world_size > 1:  # rank 0 put them back (counted there): the others count them
+            restored_rows = trainer.strategy.broadcast(restored_rows, src=0)
+            if not trainer.is_global_zero:
+                self._rows += restored_rows
 
     def _warn_own_loader(self, trainer, loader) -> None:
         """A data module's own training loader keeps none of the loader promises (app/loader.py): say which one
@@ -276,19 +285,22 @@ class Elastic(Callback):
                 config.scheduler.base_lrs = [lr * factor for lr in config.scheduler.base_lrs]
         rank_zero_info(f"{change}; learning rate x {factor:.4g} (linear scaling rule)")
 
-    def _continue_metrics(self, trainer) -> None:
+    def _continue_metrics(self, trainer) -> int:
+        """Rank 0: the earlier rows back in front of the new ones; returns how many rows were put back."""
+        restored = 0
         for logger in trainer.loggers:
             if not isinstance(logger, CSVLogger):
                 continue
             kept = Path(logger.log_dir) / METRICS_BEFORE_RESTART
-            if not kept.is_file():
-                continue
-            with kept.open(newline="") as f:
-                rows = list(csv.DictReader(f))
             keep = Path(logger.log_dir) / METRICS_ROWS_TO_KEEP
+            rows = []
+            if kept.is_file():
+                with kept.open(newline="") as f:
+                    rows = list(csv.DictReader(f))
             if keep.is_file():  # the run failed in a validation that this one does again: not its rows
                 rows = rows[: int(keep.read_text())]
                 keep.unlink()
+            count = 0
             for row in rows:
                 step = int(row.pop("step"))
                 if step >= trainer.global_step:
@@ -296,8 +308,12 @@ class Elastic(Callback):
                 values = {k: int(float(v)) if k == "epoch" else float(v) for k, v in row.items() if v not in ("", None)}
                 if values:
                     logger.log_metrics(values, step=step)
-            logger.save()
-            kept.unlink()
+                    count += 1
+            if kept.is_file():
+                logger.save()
+                kept.unlink()
+            restored = max(restored, count)
+        return restored
 
     # ---------------------------------------------------------------- a failure the launcher restarts from
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
@@ -336,7 +352,7 @@ class Elastic(Callback):
         if trainer.validating:  # the weights are the last step's; the restart validates this epoch again in full
             loops = fit_loop_state(trainer)
             restart_validation(loops)
-        if trainer.is_global_zero and self._rows_before_validation is not None:
+        if self._rows_before_validation is not None:
             # a validation ran (or runs) since the step, and the restart does it again: not its rows
             keep_metrics_rows(trainer, self._rows_before_validation)
         callback = trainer.checkpoint_callback
