@@ -293,10 +293,12 @@ def committed(records: list[dict]) -> dict[int, list[dict]]:
     }
 
 
-def metrics_rows(runs: Path) -> list[dict]:
+def metrics_rows(runs: Path, folders: list[Path] | None = None) -> list[dict]:
     """metrics.csv of the run folders in order (a resume with --ckpt_path last logs into a new one)."""
     rows = []
-    for folder in sorted((runs / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1])):
+    if folders is None:
+        folders = sorted((runs / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    for folder in folders:
         if (folder / "metrics.csv").is_file():
             with (folder / "metrics.csv").open(newline="") as f:
                 rows += list(csv.DictReader(f))
@@ -330,10 +332,14 @@ def check(job: Job) -> dict:
     assert sorted(int(r["step"]) for r in rows if r.get("train/loss")) == list(range(job.steps)), "a step's row"
     validated = [int(r["epoch"]) for r in rows if r.get("val/acc")]
     assert validated == list(range(job.epochs)), f"validation rows of epochs {validated}"
+    # The best checkpoint by val/acc: of the run folder (a resume with --ckpt_path last starts a folder, whose
+    # ModelCheckpoint tracks its own epochs: Lightning does not carry the best across a change of folder).
     [state] = [v for k, v in last["callbacks"].items() if k.startswith("ModelCheckpoint")]
-    best = max(float(r["val/acc"]) for r in rows if r.get("val/acc"))
+    best = max(float(r["val/acc"]) for r in metrics_rows(job.folder / "runs", folders[-1:]) if r.get("val/acc"))
     assert abs(float(state["best_model_score"]) - best) < 1e-6, (state["best_model_score"], best)
     assert Path(state["best_model_path"]).is_file(), state["best_model_path"]
+    for folder in folders:  # one last.ckpt per run folder: not a stale one beside a last-v1.ckpt
+        assert sorted(p.name for p in (folder / "checkpoints").glob("last*.ckpt")) == ["last.ckpt"], folder
 
     starts = {r["start"] for r in records}
     redone = sum(len({r["start"] for r in records if r["step"] == step}) - 1 for step in done)

@@ -22,6 +22,7 @@ On by default. Three things, each only where it applies:
 
 from __future__ import annotations
 
+import copy
 import csv
 import os
 import sys
@@ -117,6 +118,7 @@ class Elastic(Callback):
         self.started_as: dict | None = None  # the run's first shape, for a restart that has no state to resume from
         self._rows = 0  # metrics.csv's rows so far, known on every rank (a restarting launcher's run only)
         self._rows_before_validation: int | None = None
+        self._checkpointers_before_validation: dict | None = None
 
     # ---------------------------------------------------------------- the run's shape, saved and restored
     def state_dict(self) -> dict:
@@ -152,8 +154,13 @@ class Elastic(Callback):
         logger.log_metrics = counted
 
     def on_validation_start(self, trainer, pl_module) -> None:
-        if not trainer.sanity_checking:
+        if not trainer.sanity_checking and self.restartable:
             self._rows_before_validation = self._rows
+            # What the checkpoint callbacks knew before this validation: a failure in it (in its epoch checkpoint's
+            # save, say) restarts it, and their state must not say that its step was saved or which file is best.
+            self._checkpointers_before_validation = {
+                c.state_key: copy.deepcopy(c.state_dict()) for c in trainer.checkpoint_callbacks
+            }
 
     def on_fit_start(self, trainer, pl_module) -> None:
         """Before the loops read them: batch counts given for another world size are rescaled to this one."""
@@ -326,10 +333,16 @@ class Elastic(Callback):
                 resume_into_validation(loops)
             self._last_step = (trainer.global_step, loops)
             self._rows_before_validation = None  # no validation since this step (yet)
+            self._checkpointers_before_validation = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self._saving_loops is not None:
             put_fit_loop_state(checkpoint, self._saving_loops)
+            states = checkpoint.setdefault("callbacks", {})
+            for key, before in (self._checkpointers_before_validation or {}).items():  # the restart does it again
+                now = states.get(key, {})
+                # the file being written is last.ckpt, as now (else the restart's save_last writes last-v1.ckpt)
+                states[key] = {**copy.deepcopy(before), "last_model_path": now.get("last_model_path", "")}
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if not self.restartable or isinstance(exception, UserError | KeyboardInterrupt | SystemExit):
