@@ -721,6 +721,14 @@ def test_a_read_only_output_folder_is_one_line_before_any_work(read_only_disk, l
     assert last.startswith("error: ") and "Read-only file system" in last and "default_root_dir" in last, last
 
 
+class Ended(Exception):
+    """Where the watchdog's verdict would end the process (os._exit), in these tests."""
+
+
+def _raise(error: BaseException):
+    raise error
+
+
 def test_a_lost_rank_verdict_waits_until_the_survivor_saved_its_state(monkeypatch):
     """Under a restarting launcher the survivor's state is written when its next collective fails, which may come
     seconds after the watchdog saw the peer's process gone (a long backward before the first bucket): the verdict
@@ -732,13 +740,18 @@ def test_a_lost_rank_verdict_waits_until_the_survivor_saved_its_state(monkeypatc
     from app.callbacks.rank_watchdog import Heartbeat
 
     ended, lines = threading.Event(), []
-    monkeypatch.setattr(RankWatchdog, "_end", lambda self: (ended.set(), sys.exit(1)))  # os._exit, in a test
+    monkeypatch.setattr(RankWatchdog, "_end", lambda self: (ended.set(), _raise(Ended())))  # os._exit, in a test
     monkeypatch.setattr(module, "_say", lines.append)
     watchdog = RankWatchdog(timeout=5)
     watchdog._heartbeat = Heartbeat(None, rank=0, world_size=2, timeout=5, interval=0.5, prefix="test")
     watchdog._heartbeat.on_lost = watchdog._stop_process
     watchdog.expect_save()
-    judge = threading.Thread(target=watchdog._heartbeat._judge, args=([1], "rank 1 (pid 7 on h) has exited"))
+
+    def verdict() -> None:
+        with contextlib.suppress(Ended):
+            watchdog._heartbeat._judge([1], "rank 1 (pid 7 on h) has exited")
+
+    judge = threading.Thread(target=verdict)
     judge.start()
     assert watchdog._heartbeat.verdict.wait(5)  # judged at once (on_exception's wait is answered) ...
     assert not ended.wait(1.0)  # ... but the process is not ended before the state is written
@@ -759,13 +772,13 @@ def test_a_survivor_that_never_reaches_a_failing_collective_stops_after_the_time
     from app.callbacks import rank_watchdog as module
 
     ended, lines = threading.Event(), []
-    monkeypatch.setattr(RankWatchdog, "_end", lambda self: (ended.set(), sys.exit(1)))  # os._exit, in a test
+    monkeypatch.setattr(RankWatchdog, "_end", lambda self: (ended.set(), _raise(Ended())))  # os._exit, in a test
     monkeypatch.setattr(module, "_say", lines.append)
     monkeypatch.setattr(module, "restarts_left", lambda: True)
     watchdog = RankWatchdog(timeout=1)
     watchdog.expect_save()
     started = time.monotonic()
-    with pytest.raises(SystemExit):
+    with pytest.raises(Ended):
         watchdog._stop_process([1], "rank 1 has not answered for 1 s")
     assert ended.is_set() and time.monotonic() - started >= 1
     assert lines[-1] == (
