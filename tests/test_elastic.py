@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 from lightning.pytorch import Trainer
 from torch.utils.data import DistributedSampler, TensorDataset
@@ -145,6 +146,11 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     assert len(logged) == len(set(logged)), sorted({x for x in logged if logged.count(x) > 1})[:5]
     assert {row["epoch"] for row in rows} <= {"", "0", "1"}
     assert (run / "config.yaml").is_file() and (run / "config.restart1.yaml").is_file()
+    # what the restart trained with, not what it was given (issue 34, item 14): accumulate 2, and why
+    restart = (run / "config.restart1.yaml").read_text()
+    assert yaml.safe_load(restart)["trainer"]["accumulate_grad_batches"] == 2
+    assert restart.startswith("# Elastic changed this start's settings: 2 -> 1 devices: accumulate_grad_batches 1")
+    assert yaml.safe_load((run / "config.yaml").read_text())["trainer"]["accumulate_grad_batches"] == 1
     # finished: a later job with the same --rdzv-id starts a run of its own; a restart by this job's agent does not
     marker = json.loads((run / "elastic.json").read_text())
     assert marker["rdzv_id"] == "elastic-test" and marker["finished"] is True and len(marker["agents"]) == 1
@@ -239,6 +245,7 @@ def test_a_node_that_joins_mid_epoch_is_taken_in_and_each_sample_trained_once(tm
         steps = [int(row["step"]) for row in csv.DictReader(f)]
     assert steps == sorted(steps) and steps[0] == 0 and steps[-1] == final["global_step"] - 1
     assert (run / "config.yaml").is_file() and (run / "config.rejoined.yaml").is_file()
+    assert "learning rate x 2 (linear scaling rule)" in (run / "config.rejoined.yaml").read_text().splitlines()[0]
     marker = json.loads((run / "elastic.json").read_text())
     assert marker["rdzv_id"] == "elastic-test" and marker["finished"] is True and len(marker["agents"]) == 2
     first_at_two = min(r["time"] for r in read_records(records) if r["world"] == 2)
@@ -271,6 +278,9 @@ def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one_each_sample_once
     final = load_checkpoint(root / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt")
     assert final["global_step"] == EPOCHS * SAMPLES // (2 * BATCH)
     assert_each_sample_once_per_epoch(read_records(records), resumed_at_step=step)
+    # the resumed run's config.yaml says what it trained with (issue 34, item 14): rerun as is, it trains alike
+    config = yaml.safe_load((root / "lightning_logs" / "version_1" / "config.yaml").read_text())
+    assert config["trainer"]["accumulate_grad_batches"] == 2
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import csv
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -119,6 +120,7 @@ class Elastic(Callback):
         self._rows = 0  # metrics.csv's rows so far, known on every rank (a restarting launcher's run only)
         self._rows_before_validation: int | None = None
         self._checkpointers_before_validation: dict | None = None
+        self._changes: list[str] = []  # what this start changed to keep the global batch, said in one line each
 
     # ---------------------------------------------------------------- the run's shape, saved and restored
     def state_dict(self) -> dict:
@@ -223,6 +225,8 @@ class Elastic(Callback):
             for watchdog in trainer.callbacks:
                 if isinstance(watchdog, RankWatchdog):
                     watchdog.expect_save()
+        if self._changes and trainer.is_global_zero:
+            self._record_changes(trainer)
         restored_rows = self._continue_metrics(trainer) if trainer.is_global_zero else 0
         if self.restartable and trainer.world_size > 1:  # rank 0 put them back (counted there): the others count them
             restored_rows = trainer.strategy.broadcast(restored_rows, src=0)
@@ -270,7 +274,7 @@ class Elastic(Callback):
         was = f"{restored['devices']} -> {devices} devices"
         if accumulate != given:
             trainer.accumulate_grad_batches = accumulate
-            rank_zero_info(
+            self._say_change(
                 f"{was}: accumulate_grad_batches {given} -> {accumulate} keeps the global batch {target * device_batch}"
             )
         if factor == 1:
@@ -280,7 +284,7 @@ class Elastic(Callback):
             f"a multiple of {devices})"
         )
         if any(getattr(c, "scale_lr", "none") != "none" for c in trainer.callbacks):
-            rank_zero_info(f"{change}; LRWarmup's scaling rule sets the learning rate")
+            self._say_change(f"{change}; LRWarmup's scaling rule sets the learning rate")
             return
         for optimizer in trainer.optimizers:
             for group in optimizer.param_groups:
@@ -290,7 +294,38 @@ class Elastic(Callback):
         for config in trainer.lr_scheduler_configs:
             if hasattr(config.scheduler, "base_lrs"):
                 config.scheduler.base_lrs = [lr * factor for lr in config.scheduler.base_lrs]
-        rank_zero_info(f"{change}; learning rate x {factor:.4g} (linear scaling rule)")
+        self._say_change(f"{change}; learning rate x {factor:.4g} (linear scaling rule)")
+
+    def _say_change(self, line: str) -> None:
+        rank_zero_info(line)
+        self._changes.append(line)
+
+    def _record_changes(self, trainer) -> None:
+        """Rank 0: the config file this start saved (config.yaml, config.restartN.yaml) says what it trains with:
+        the accumulation it uses, and the lines above as comments (a scaled learning rate lives in the optimizer's
+        state, not in the config)."""
+        from lightning.pytorch.cli import SaveConfigCallback  # jsonargparse: only when a change is recorded
+
+        # trainer.log_dir as Lightning reads it, but without its broadcast: this runs on rank 0 only
+        first = trainer.loggers[0] if trainer.loggers else None
+        log_dir = getattr(first, "log_dir", None) or getattr(first, "save_dir", None) if first else None
+        for callback in trainer.callbacks:
+            if not isinstance(callback, SaveConfigCallback) or not callback.save_to_log_dir or log_dir is None:
+                continue
+            path = Path(log_dir) / callback.config_filename
+            if not path.is_file():
+                continue
+            text = re.sub(
+                r"^(\s+accumulate_grad_batches:) .*$",
+                rf"\g<1> {trainer.accumulate_grad_batches}",
+                path.read_text(),
+                count=1,
+                flags=re.MULTILINE,
+            )
+            header = "".join(f"# Elastic changed this start's settings: {line}\n" for line in self._changes)
+            tmp = path.with_name(f".{path.name}")
+            tmp.write_text(header + text)
+            os.replace(tmp, path)
 
     def _continue_metrics(self, trainer) -> int:
         """Rank 0: the earlier rows back in front of the new ones; returns how many rows were put back."""
