@@ -98,6 +98,21 @@ def start_agent(
         return subprocess.Popen(command, cwd=folder, env=env(**more), stdout=log, stderr=subprocess.STDOUT)
 
 
+def run_two_nodes(tmp_path: Path, port: int, args: list[str]) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """The agents "survivor" (hosts the store, which must outlive the lost node) and "lost" (``LOSE_THIS_NODE=1``,
+    starting 5 s later), run to their end."""
+    survivor = start_agent(tmp_path, "survivor", port, args, is_host=True)
+    time.sleep(1)
+    lost = start_agent(tmp_path, "lost", port, args, is_host=False, delay=5, LOSE_THIS_NODE="1")
+    try:
+        survivor.wait(timeout=250)
+        lost.wait(timeout=60)
+    finally:
+        for process in (survivor, lost):
+            process.kill()
+    return survivor, lost
+
+
 @pytest.mark.slow
 def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_once(tmp_path):
     """Two torchrun agents (nodes); after step 3 one node's agent and worker are SIGKILLed. The survivor's collective
@@ -109,15 +124,7 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     args = fit_args(root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(lose))
     args.append("--trainer.callbacks+=" + json.dumps(SURVIVOR_COMPUTES))
 
-    survivor = start_agent(tmp_path, "survivor", port, args, is_host=True)  # the store must outlive the lost node
-    time.sleep(1)
-    lost = start_agent(tmp_path, "lost", port, args, is_host=False, delay=5, LOSE_THIS_NODE="1")
-    try:
-        survivor.wait(timeout=250)
-        lost.wait(timeout=60)
-    finally:
-        for process in (survivor, lost):
-            process.kill()
+    survivor, lost = run_two_nodes(tmp_path, port, args)
     output, other = (tmp_path / "survivor.log").read_text(), (tmp_path / "lost.log").read_text()
     assert survivor.returncode == 0, output[-4000:] + "\n--- the lost node:\n" + other[-3000:]
     assert lost.returncode == -9
@@ -175,15 +182,7 @@ def test_a_restart_with_no_saved_state_trains_again_from_the_start_with_the_conf
     args = fit_args(
         root, records, "--trainer.strategy=ddp", *(f"--trainer.callbacks+={json.dumps(c)}" for c in (lose, full))
     )
-    survivor = start_agent(tmp_path, "survivor", port, args, is_host=True)
-    time.sleep(1)
-    lost = start_agent(tmp_path, "lost", port, args, is_host=False, delay=5, LOSE_THIS_NODE="1")
-    try:
-        survivor.wait(timeout=250)
-        lost.wait(timeout=60)
-    finally:
-        for process in (survivor, lost):
-            process.kill()
+    survivor, _ = run_two_nodes(tmp_path, port, args)
     output = (tmp_path / "survivor.log").read_text()
     assert survivor.returncode == 0, output[-4000:]
     assert "could not save the state after step 3: [Errno 28] No space left on device" in output, output[-4000:]

@@ -178,6 +178,18 @@ def test_signal_mid_epoch_checkpoints_exits_and_resumes_bit_identical(
     }
 
 
+def resume_and_compare(workdir: Path, strategy: str, reference) -> None:
+    """``--ckpt_path last`` after a stop: the run ends with the weights, losses and validation of an unbroken one."""
+    resumed = fit(workdir, *STRATEGIES[strategy], "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    expected, expected_metrics = reference(strategy)
+    v0, v1 = versions(workdir)
+    assert_same_weights(last_ckpt(v1), expected)
+    got = metrics(v0, v1)
+    for key in ("train/loss", "val/acc", "val/loss"):
+        assert got[key] == expected_metrics[key], key
+
+
 @pytest.mark.parametrize(("strategy", "rank"), [("single", 0), ("ddp", 1)])
 def test_sigterm_in_validation_stops_within_two_batches_and_resumes_bit_identical(strategy, rank, reference, workdir):
     """SIGTERM as the 2nd of 4 validation batches after epoch 1 starts: the run stops in that validation (not after
@@ -191,14 +203,7 @@ def test_sigterm_in_validation_stops_within_two_batches_and_resumes_bit_identica
     assert last_ckpt(v0)["global_step"] == end_of_epoch_1
     assert "val/acc" not in metrics(v0) or end_of_epoch_1 - 1 not in metrics(v0)["val/acc"]  # epoch 1 not validated
 
-    resumed = fit(workdir, *STRATEGIES[strategy], "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    expected, expected_metrics = reference(strategy)
-    v0, v1 = versions(workdir)
-    assert_same_weights(last_ckpt(v1), expected)
-    got = metrics(v0, v1)
-    for key in ("train/loss", "val/acc", "val/loss"):
-        assert got[key] == expected_metrics[key], key  # epoch 1's validation included, over all its batches
+    resume_and_compare(workdir, strategy, reference)  # epoch 1's validation included, over all its batches
 
 
 @pytest.mark.parametrize(("strategy", "rank", "before"), [("single", 0, 1), ("ddp", 1, 2)])
@@ -212,14 +217,7 @@ def test_a_stop_at_an_epochs_last_step_resumes_into_its_validation(strategy, ran
     output = stopped.stdout + stopped.stderr
     assert stopped.returncode == 143, output[-3000:]
     assert f"stopped after step {end_of_epoch_1} (epoch 1)" in output, output[-3000:]
-    resumed = fit(workdir, *STRATEGIES[strategy], "--ckpt_path=last")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    expected, expected_metrics = reference(strategy)
-    v0, v1 = versions(workdir)
-    assert_same_weights(last_ckpt(v1), expected)
-    got = metrics(v0, v1)
-    for key in ("train/loss", "val/acc", "val/loss"):
-        assert got[key] == expected_metrics[key], key  # epoch 1's validation included
+    resume_and_compare(workdir, strategy, reference)  # epoch 1's validation included
 
 
 def test_a_resume_takes_a_strategys_options_after_its_name(tmp_path):
