@@ -20,7 +20,8 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
 6. :func:`take_over_local_ranks` — the ``ddp`` launcher's child-process observer SIGKILLs rank 0 as soon as a
    child rank exits with a non-zero code, which after a preemption (143) or a divergence stop is the planned exit;
    the rank watchdog takes them over when it starts (it names a lost rank and exits 1 instead).
-7. The fit loop's counters, which Lightning checkpoints but does not document: :func:`step_values_read` (is this
+7. The fit loop's counters, which Lightning checkpoints but does not document: :func:`step_row` (the row the loop
+   logs after this step), :func:`step_values_read` (is this
    step's logged value read: the loop's last-batch flag, ``val_check_batch``, ``total_batch_idx``),
    :func:`resuming_fit` and :func:`shift_batch_count` (an elastic restart lines the batch count up with the
    re-dealt loader), :func:`fit_loop_state` (the loops' state after a step).
@@ -67,6 +68,18 @@ def log_step_now(trainer) -> None:
     """Send this training step's logged values to the loggers now (the loop does it after ``on_train_batch_end``)."""
     trainer._logger_connector.on_batch_end()
     trainer._logger_connector.update_train_step_metrics()
+
+
+def step_row(trainer) -> dict | None:
+    """In ``on_train_batch_end``: the row the loop sends to the loggers right after the hook (this step's logged
+    values as numbers, its logger step and epoch), or None when it sends none at this batch."""
+    connector = trainer._logger_connector
+    accumulating = trainer.fit_loop._should_accumulate() and trainer.lightning_module.automatic_optimization
+    if accumulating or not (connector.should_update_logs or trainer.fast_dev_run):
+        return None
+    values = {k: float(v) for k, v in connector.metrics["log"].items() if getattr(v, "numel", lambda: 1)() == 1}
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped
+    return {"step": int(values.pop("step", step)), "epoch": trainer.current_epoch, "values": values}
 
 
 def refresh_last_checkpoint(callback, trainer, at_train_epoch_end: bool) -> None:

@@ -403,6 +403,25 @@ def test_a_rank_lost_in_the_last_validation_is_restarted_into_that_validation(tm
     assert re.search(rf"epoch {EPOCHS - 1} \| val acc [\d.]+ \| resumed after its training \| 1 x cpu", output), output
 
 
+@pytest.mark.slow
+def test_rank_0_lost_before_it_logged_its_step_leaves_no_gap_in_metrics_csv(tmp_path):
+    """Rank 0 dies after step 3 but before the loop logged that step (its callbacks' hooks come first): the
+    survivor's state goes on after the step, so no later start logs it, and metrics.csv had no row for it (issue 34,
+    item 14). The survivor keeps the row the loop was about to log, from its own values, for the restart to write."""
+    root, records = tmp_path / "runs", tmp_path / "records"
+    lose = {"class_path": "tests.faults.Fault", "init_args": {"at": "step", "step": 3, "action": "kill", "rank": 0}}
+    args = fit_args(root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
+    args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(lose)]
+    result = warm.run(
+        [sys.executable, *args], cwd=tmp_path, env=env(**MPI_ENV), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    [run] = (root / "lightning_logs").glob("version_*")
+    with (run / "metrics.csv").open(newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row["train/loss"]]
+    assert steps == list(range(EPOCHS * SAMPLES // (2 * BATCH))), steps  # step index 2 was missing
+
+
 def test_horovod_max_restarts_is_checked(monkeypatch):
     with pytest.raises(UserError, match=r"max_restarts=-1 must be >= 0"):
         HorovodStrategy(max_restarts=-1)

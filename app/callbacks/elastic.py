@@ -59,6 +59,7 @@ from app.lightning_internals import (
     resuming_fit,
     saving_alone,
     shift_batch_count,
+    step_row,
     validation_follows,
 )
 from app.loader import ResumableLoader
@@ -121,6 +122,8 @@ class Elastic(Callback):
         self._rows_before_validation: int | None = None
         self._checkpointers_before_validation: dict | None = None
         self._changes: list[str] = []  # what this start changed to keep the global batch, said in one line each
+        self._step_row: dict | None = None  # the row the loop logs for the last step (step_row)
+        self._saving_row: dict | None = None
 
     # ---------------------------------------------------------------- the run's shape, saved and restored
     def state_dict(self) -> dict:
@@ -343,6 +346,9 @@ class Elastic(Callback):
                 rows = rows[: int(keep.read_text())]
                 keep.unlink()
             count = 0
+            missing = (self._restored or {}).get("step_row")  # rank 0 died before logging the last step's row
+            if missing and any(int(r["step"]) == missing["step"] and r.get(k) for r in rows for k in missing["values"]):
+                missing = None  # it was logged
             for row in rows:
                 step = int(row.pop("step"))
                 if step >= trainer.global_step:
@@ -351,6 +357,9 @@ class Elastic(Callback):
                 if values:
                     logger.log_metrics(values, step=step)
                     count += 1
+            if missing and missing["step"] < trainer.global_step:
+                logger.log_metrics({**missing["values"], "epoch": missing["epoch"]}, step=missing["step"])
+                count += 1
             if kept.is_file():
                 logger.save()
                 kept.unlink()
@@ -367,12 +376,17 @@ class Elastic(Callback):
             if validation_follows(trainer):
                 resume_into_validation(loops)
             self._last_step = (trainer.global_step, loops)
+            # The row the loop logs for this step right after this hook: if rank 0 dies in between, the restart
+            # (which goes on after the step) writes it from a survivor's values.
+            self._step_row = step_row(trainer)
             self._rows_before_validation = None  # no validation since this step (yet)
             self._checkpointers_before_validation = None
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self._saving_loops is not None:
             put_fit_loop_state(checkpoint, self._saving_loops)
+            if self._saving_row is not None:
+                checkpoint.setdefault("callbacks", {}).setdefault(self.state_key, {})["step_row"] = self._saving_row
             states = checkpoint.setdefault("callbacks", {})
             for key, before in (self._checkpointers_before_validation or {}).items():  # the restart does it again
                 now = states.get(key, {})
@@ -409,6 +423,7 @@ class Elastic(Callback):
         callback.last_model_path = path
         strategy = trainer.strategy
         self._saving_loops = loops
+        self._saving_row = self._step_row
         # The process group is broken: no barrier after the save, and every survivor writes (rank 0 may be gone).
         with saving_alone(strategy) as captured:
             try:
@@ -418,7 +433,7 @@ class Elastic(Callback):
                 say(trainer, f"[rank {trainer.global_rank}] could not save the state after step {step}: {err}")
                 return True
             finally:
-                self._saving_loops = None
+                self._saving_loops = self._saving_row = None
         self.saved_after_failure = str(path)
         report_saved_state(trainer.global_rank, str(path))
         reason = " ".join(str(exception).split())[:200]
