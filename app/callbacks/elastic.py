@@ -15,9 +15,14 @@ On by default. Three things, each only where it applies:
   next collective fails. All ranks hold the same weights and optimizer state after every step, so each survivor
   writes ``last.ckpt`` at that moment, with the loop and loader position of the last completed optimizer step
   (recorded after every step: a few integers), and exits non-zero; the launcher restarts the job, which resumes
-  from it. Only the step in flight is done again. Nothing is written per step.
+  from it. Only the step in flight is done again. Nothing is written per step. A failure in a validation (or right
+  before one) saves the state at that validation's start, with the checkpoint callbacks' state from before it: the
+  restart validates the epoch again. The global batch kept is always the one the run started with (``first`` in
+  every checkpoint; ``elastic.json`` for a restart that finds no state at all).
 - **The restarted run's metrics**: rank 0 puts the rows of the run's earlier ``metrics.csv`` (up to the step it
-  resumes from) back in front of the new ones, so the run keeps one ``metrics.csv``.
+  resumes from, without those of a validation it does again, with the last step's row if rank 0 died before writing
+  it) back in front of the new ones, so the run keeps one ``metrics.csv``. The config file the start saved says the
+  accumulation it trains with, and what was changed, as comments.
 """
 
 from __future__ import annotations
