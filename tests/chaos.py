@@ -338,8 +338,10 @@ def check(job: Job) -> dict:
     best = max(float(r["val/acc"]) for r in metrics_rows(job.folder / "runs", folders[-1:]) if r.get("val/acc"))
     assert abs(float(state["best_model_score"]) - best) < 1e-6, (state["best_model_score"], best)
     assert Path(state["best_model_path"]).is_file(), state["best_model_path"]
-    for folder in folders:  # one last.ckpt per run folder: not a stale one beside a last-v1.ckpt
+    for folder in folders:  # one last.ckpt per run folder (not a stale one beside a last-v1.ckpt), and the top 1
         assert sorted(p.name for p in (folder / "checkpoints").glob("last*.ckpt")) == ["last.ckpt"], folder
+        epochs = sorted(p.name for p in (folder / "checkpoints").glob("epoch=*.ckpt"))
+        assert len(epochs) <= 1, f"{folder}: {epochs} (the tests' task keeps its best epoch only)"
 
     starts = {r["start"] for r in records}
     redone = sum(len({r["start"] for r in records if r["step"] == step}) - 1 for step in done)

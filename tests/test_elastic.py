@@ -422,6 +422,28 @@ def test_rank_0_lost_before_it_logged_its_step_leaves_no_gap_in_metrics_csv(tmp_
     assert steps == list(range(EPOCHS * SAMPLES // (2 * BATCH))), steps  # step index 2 was missing
 
 
+@pytest.mark.slow
+def test_a_rank_lost_in_the_epoch_checkpoints_save_leaves_one_best_checkpoint(tmp_path):
+    """Rank 1 dies inside the save of epoch 0's checkpoint, after rank 0 wrote the file. The restart validates epoch 0
+    again and saves its checkpoint under the same name: one top-1 file at the end, the best by val/acc. (The file
+    was left beside an ``-v1`` copy that the restart wrote and later removed, and the interrupted save had marked the
+    step saved, so no epoch checkpoint was written at all; found by the chaos test.)"""
+    root, records = tmp_path / "runs", tmp_path / "records"
+    lose = {"class_path": "tests.faults.Fault", "init_args": {"at": "save", "step": 6, "action": "kill", "rank": 1}}
+    args = fit_args(root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
+    args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(lose)]
+    result = warm.run(
+        [sys.executable, *args], cwd=tmp_path, env=env(**MPI_ENV), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
+    [run] = (root / "lightning_logs").glob("version_*")
+    [best] = (run / "checkpoints").glob("epoch=*.ckpt")
+    [state] = [
+        v for k, v in load_checkpoint(run / "checkpoints" / "last.ckpt")["callbacks"].items() if "Checkpoint" in k
+    ]
+    assert Path(state["best_model_path"]) == best
+
+
 def test_horovod_max_restarts_is_checked(monkeypatch):
     with pytest.raises(UserError, match=r"max_restarts=-1 must be >= 0"):
         HorovodStrategy(max_restarts=-1)

@@ -27,11 +27,13 @@ On by default. Three things, each only where it applies:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import os
 import re
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -126,6 +128,7 @@ class Elastic(Callback):
         self._rows = 0  # metrics.csv's rows so far, known on every rank (a restarting launcher's run only)
         self._rows_before_validation: int | None = None
         self._checkpointers_before_validation: dict | None = None
+        self._validation_started = 0.0  # time.time() at the start of the validation since the last step
         self._changes: list[str] = []  # what this start changed to keep the global batch, said in one line each
         self._step_row: dict | None = None  # the row the loop logs for the last step (step_row)
         self._saving_row: dict | None = None
@@ -171,6 +174,7 @@ class Elastic(Callback):
             self._checkpointers_before_validation = {
                 c.state_key: copy.deepcopy(c.state_dict()) for c in trainer.checkpoint_callbacks
             }
+            self._validation_started = time.time()
 
     def on_fit_start(self, trainer, pl_module) -> None:
         """Before the loops read them: batch counts given for another world size are rescaled to this one."""
@@ -409,6 +413,22 @@ class Elastic(Callback):
             for watchdog in watchdogs:
                 watchdog.save_over(reported)
 
+    def _drop_untracked_checkpoints(self, trainer) -> None:
+        """Checkpoints written since the validation that the restart does again (its epoch checkpoint, written on
+        rank 0 before a peer died in the same save) and that the saved state does not know: the restart writes them
+        again, under the same name (left there, Lightning would name its own ``-v1`` and never remove the first)."""
+        known = set()
+        for state in self._checkpointers_before_validation.values():
+            known |= {*state.get("best_k_models", {}), state.get("best_model_path"), state.get("last_model_path")}
+        for callback in trainer.checkpoint_callbacks:
+            folder = Path(callback.dirpath) if getattr(callback, "dirpath", None) else None
+            for path in folder.glob("*.ckpt") if folder and folder.is_dir() else ():
+                if path.name.startswith("last") or str(path) in known:
+                    continue
+                with contextlib.suppress(OSError):  # another survivor may have removed it first
+                    if path.stat().st_mtime >= self._validation_started:
+                        path.unlink()
+
     def _save_after_failure(self, trainer, exception: BaseException) -> bool:
         """Write ``last.ckpt`` with the state after the last completed step; True when a line said what happened."""
         if trainer.state.fn != "fit" or self._last_step is None or trainer.checkpoint_callback is None:
@@ -422,6 +442,8 @@ class Elastic(Callback):
         if self._rows_before_validation is not None:
             # a validation ran (or runs) since the step, and the restart does it again: not its rows
             keep_metrics_rows(trainer, self._rows_before_validation)
+        if self._checkpointers_before_validation:
+            self._drop_untracked_checkpoints(trainer)
         callback = trainer.checkpoint_callback
         metrics = dict(trainer.callback_metrics, epoch=trainer.current_epoch, step=step)
         path = callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST)
