@@ -430,11 +430,14 @@ def test_a_stopped_horovod_rank_does_not_outlive_its_launcher(tmp_path):
     before = set(rank_processes("app.strategies._mpi_worker"))
     result = run(cmd, tmp_path, timeout=200)
     output = result.stdout + result.stderr
-    assert result.returncode == 1, output[-3000:]
-    assert "could not save its state" in output, output[-3000:]
-    assert "No rank saved the state after a step, so the ranks are not restarted" in output, output[-3000:]
+    assert "could not save its state" in output, output[-3000:]  # rank 0: its collective with rank 1 hangs
     assert not set(rank_processes("app.strategies._mpi_worker")) - before  # no rank of this run left, stopped or not
-    assert not list(root.glob("lightning_logs/version_0/checkpoints/last.ckpt"))
+    if "No rank saved the state after a step, so the ranks are not restarted" in output:
+        assert result.returncode == 1, output[-3000:]
+        time.sleep(2)  # and nothing writes after the launcher said so
+        assert not list(root.glob("lightning_logs/version_0/checkpoints/last.ckpt"))
+    else:  # mpirun woke rank 1 (SIGCONT before its SIGTERM) in time for it to save: the restart goes on from there
+        assert result.returncode == 0 and "restart 1 of at most 1 on 1 rank(s)" in output, output[-3000:]
 
 
 def launch_folders_of(pid: int) -> list[Path]:
