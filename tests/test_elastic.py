@@ -403,20 +403,27 @@ def test_a_rank_lost_in_the_last_validation_is_restarted_into_that_validation(tm
     assert re.search(rf"epoch {EPOCHS - 1} \| val acc [\d.]+ \| resumed after its training \| 1 x cpu", output), output
 
 
-@pytest.mark.slow
-def test_rank_0_lost_before_it_logged_its_step_leaves_no_gap_in_metrics_csv(tmp_path):
-    """Rank 0 dies after step 3 but before the loop logged that step (its callbacks' hooks come first): the
-    survivor's state goes on after the step, so no later start logs it, and metrics.csv had no row for it (issue 34,
-    item 14). The survivor keeps the row the loop was about to log, from its own values, for the restart to write."""
+def horovod_run_with_fault(tmp_path: Path, fault: dict) -> Path:
+    """The self-launched horovod strategy on 2 ranks with max_restarts=1 and one ``tests.faults.Fault``; it must
+    end with exit 0. Returns its one run folder."""
     root, records = tmp_path / "runs", tmp_path / "records"
-    lose = {"class_path": "tests.faults.Fault", "init_args": {"at": "step", "step": 3, "action": "kill", "rank": 0}}
     args = fit_args(root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
-    args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(lose)]
+    spec = {"class_path": "tests.faults.Fault", "init_args": fault}
+    args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(spec)]
     result = warm.run(
         [sys.executable, *args], cwd=tmp_path, env=env(**MPI_ENV), capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
     [run] = (root / "lightning_logs").glob("version_*")
+    return run
+
+
+@pytest.mark.slow
+def test_rank_0_lost_before_it_logged_its_step_leaves_no_gap_in_metrics_csv(tmp_path):
+    """Rank 0 dies after step 3 but before the loop logged that step (its callbacks' hooks come first): the
+    survivor's state goes on after the step, so no later start logs it, and metrics.csv had no row for it (issue 34,
+    item 14). The survivor keeps the row the loop was about to log, from its own values, for the restart to write."""
+    run = horovod_run_with_fault(tmp_path, {"at": "step", "step": 3, "action": "kill", "rank": 0})
     with (run / "metrics.csv").open(newline="") as f:
         steps = [int(row["step"]) for row in csv.DictReader(f) if row["train/loss"]]
     assert steps == list(range(EPOCHS * SAMPLES // (2 * BATCH))), steps  # step index 2 was missing
@@ -428,15 +435,7 @@ def test_a_rank_lost_in_the_epoch_checkpoints_save_leaves_one_best_checkpoint(tm
     again and saves its checkpoint under the same name: one top-1 file at the end, the best by val/acc. (The file
     was left beside an ``-v1`` copy that the restart wrote and later removed, and the interrupted save had marked the
     step saved, so no epoch checkpoint was written at all; found by the chaos test.)"""
-    root, records = tmp_path / "runs", tmp_path / "records"
-    lose = {"class_path": "tests.faults.Fault", "init_args": {"at": "save", "step": 6, "action": "kill", "rank": 1}}
-    args = fit_args(root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
-    args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(lose)]
-    result = warm.run(
-        [sys.executable, *args], cwd=tmp_path, env=env(**MPI_ENV), capture_output=True, text=True, timeout=300
-    )
-    assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
-    [run] = (root / "lightning_logs").glob("version_*")
+    run = horovod_run_with_fault(tmp_path, {"at": "save", "step": 6, "action": "kill", "rank": 1})
     [best] = (run / "checkpoints").glob("epoch=*.ckpt")
     [state] = [
         v for k, v in load_checkpoint(run / "checkpoints" / "last.ckpt")["callbacks"].items() if "Checkpoint" in k
