@@ -237,8 +237,11 @@ class Elastic(Callback):
             for watchdog in trainer.callbacks:
                 if isinstance(watchdog, RankWatchdog):
                     watchdog.expect_save()
-        if self._changes and trainer.is_global_zero:
-            self._record_changes(trainer)
+        if self._changes:
+            for logger in trainer.loggers:  # hparams.yaml (and TensorBoard's hparams) say it beside the module's lr
+                logger.log_hyperparams({"elastic_changes": list(self._changes)})
+            if trainer.is_global_zero:
+                self._record_changes(trainer)
         restored_rows = self._continue_metrics(trainer) if trainer.is_global_zero else 0
         if self.restartable and trainer.world_size > 1:  # rank 0 put them back (counted there): the others count them
             restored_rows = trainer.strategy.broadcast(restored_rows, src=0)
