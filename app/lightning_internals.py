@@ -31,6 +31,9 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    validation runs it), :func:`put_fit_loop_state` (the state of the last completed step).
 9. :func:`saving_alone` — ``Trainer.save_checkpoint`` on a broken process group: the strategy's barrier and its
    rank-0-only save, replaced for the duration of one save.
+10. :func:`free_strategy_name` — Lightning's accelerator connector refuses any strategy registered under a name
+   its own ``FSDPStrategy`` registered (``"fsdp"``) unless the accelerator is a GPU; the template's ``fsdp``
+   (app/strategies/fsdp.py) runs on CPU too, so the name leaves that list when the template takes it over.
 """
 
 from __future__ import annotations
@@ -234,3 +237,11 @@ def saving_alone(strategy) -> Iterator[dict]:
         yield captured
     finally:
         del strategy.barrier, strategy.save_checkpoint  # the class's methods again
+
+
+def free_strategy_name(name: str) -> None:
+    """``name`` no longer counts as Lightning's GPU-only FSDP strategy in the accelerator connector's check."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if name in FSDPStrategy._registered_strategies:
+        FSDPStrategy._registered_strategies.remove(name)

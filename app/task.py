@@ -15,6 +15,7 @@ The contract, the steps of a fork and what each promise needs of a data module: 
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,20 @@ class TaskSpec:
 
 
 DEFAULT_SPEC = TaskSpec()
+
+
+def match_modules(root: torch.nn.Module, targets: Sequence[str]) -> list[tuple[str, torch.nn.Module]]:
+    """The submodules of ``root`` that a target names, by class name or by path as in ``named_modules()`` (globs
+    allowed: ``net.layer*``), outermost matches only, in ``named_modules()`` order. How the machinery finds a task's
+    blocks (``spec.blocks``): activation checkpointing recomputes them, fsdp shards each on its own."""
+    chosen: list[tuple[str, torch.nn.Module]] = []
+    for path, module in root.named_modules():
+        if not path or any(path.startswith(parent + ".") for parent, _ in chosen):
+            continue
+        name = getattr(module, "_original_class", type(module)).__name__  # under activation checkpointing too
+        if name in targets or any(fnmatch.fnmatchcase(path, t) for t in targets):
+            chosen.append((path, module))
+    return chosen
 
 
 def import_class(class_path: str) -> type:

@@ -111,6 +111,7 @@ CASES = {
     "ddp": ["--strategy", "ddp", "--devices", "2", "--batch-size", "8"],
     "ddp_spawn": ["--strategy", "ddp_spawn", "--devices", "2", "--batch-size", "8"],
     "horovod_self_launched": ["--strategy", "horovod", "--devices", "2", "--batch-size", "8"],
+    "fsdp": ["--strategy", "fsdp", "--devices", "2", "--batch-size", "8"],
 }
 REFERENCE = ["--devices", "1", "--batch-size", "16"]
 
@@ -124,6 +125,7 @@ VARIANT_CASES = {  # the strategies the variant tests are parametrized over; "ho
     "ddp": CASES["ddp"],
     "ddp_spawn": CASES["ddp_spawn"],
     "horovod": CASES["horovod_self_launched"],
+    "fsdp": CASES["fsdp"],
 }
 LAUNCHES = {
     "ddp_variants": (
@@ -143,6 +145,16 @@ LAUNCHES = {
         {
             "ddp_spawn_bf16_mixed": [*CASES["ddp_spawn"], "--precision", "bf16-mixed"],
             "ddp_spawn_ckpt": [*CASES["ddp_spawn"], "--checkpointing"],
+        },
+    ),
+    "fsdp_variants": (
+        "torchrun",
+        {
+            "fsdp_acc2": [*VARIANT_CASES["fsdp"], "--accumulate", "2"],
+            "fsdp_bf16_mixed": [*VARIANT_CASES["fsdp"], "--precision", "bf16-mixed"],
+            "fsdp_ckpt": [*VARIANT_CASES["fsdp"], "--checkpointing"],
+            "fsdp_bn_sync": [*VARIANT_CASES["fsdp"], *BN_WARMUP, "--sync-bn", "--checkpointing"],
+            "fsdp_bn_plain": [*VARIANT_CASES["fsdp"], *BN_WARMUP],
         },
     ),
     "horovod_variants": (

@@ -84,7 +84,7 @@ class SaveResult(Callback):
     """Rank 0 saves the trained weights where training ran: spawn-style launchers hand weights back to the parent
     process in the parent's dtype (float32), which would round away the float64 run's precision.
 
-    Also saved: ``compute_dtypes``, for every rank the number of training forwards whose first convolution computed
+    Also saved: ``held``, the number of parameter elements each rank holds (fsdp: its shards); ``compute_dtypes``, for every rank the number of training forwards whose first convolution computed
     in each of DTYPES (row per rank): what mixed precision really did on every rank and dp replica.
     """
 
@@ -104,12 +104,21 @@ class SaveResult(Callback):
     def on_fit_end(self, trainer, pl_module) -> None:
         self.hook.remove()
         counts = trainer.strategy.all_gather(self.counts.to(pl_module.device)).reshape(-1, len(DTYPES)).cpu()
+        held = torch.tensor([sum(local_numel(p) for p in pl_module.parameters())], device=pl_module.device)
+        held = trainer.strategy.all_gather(held).reshape(-1).cpu()  # parameters each rank holds (fsdp: its shards)
+        # what a checkpoint holds, as the strategy gathers it (a collective under fsdp: every rank takes part)
+        weights = trainer.strategy.lightning_module_state_dict()
         if trainer.is_global_zero:
             metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-            state = {k: v.detach().cpu() for k, v in pl_module.state_dict().items()}
+            state = {k: v.detach().cpu() for k, v in weights.items()}
             result = {"state_dict": state, "metrics": metrics, "global_step": trainer.global_step}
-            torch.save({**result, "compute_dtypes": counts}, self.out)
+            torch.save({**result, "compute_dtypes": counts, "held": held}, self.out)
             print(json.dumps(metrics))
+
+
+def local_numel(parameter: torch.Tensor) -> int:
+    """Elements of a parameter this rank holds: a sharded one's (a DTensor) local piece, else all of them."""
+    return parameter.to_local().numel() if hasattr(parameter, "to_local") else parameter.numel()
 
 
 def main_batch(batch: str) -> None:

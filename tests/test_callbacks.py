@@ -101,8 +101,8 @@ BN_REFERENCE = [*REFERENCE, *BN_WARMUP]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp", "horovod"])
-def test_sync_batchnorm_ddp_and_horovod_train_like_one_device(parity, name):
+@pytest.mark.parametrize("name", ["ddp", "horovod", "fsdp"])
+def test_sync_batchnorm_ddp_horovod_and_fsdp_train_like_one_device(parity, name):
     """BatchNorm network, 2 ranks x 8 = one process x 16: weights AND running statistics, only with the callback.
 
     Activation checkpointing and the LR warmup with the linear scaling rule are on too: none of them may change
@@ -320,7 +320,7 @@ def test_checkpointing_that_matches_nothing_names_the_flag():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp", "ddp_spawn", "horovod"])
+@pytest.mark.parametrize("name", ["dp", "ddp_spawn", "horovod", "fsdp"])
 def test_checkpointing_under_strategies_trains_like_one_device(parity, name):
     reference = parity("reference", *REFERENCE)
     result = parity(f"{name}_ckpt", *VARIANT_CASES[name], "--checkpointing")

@@ -52,10 +52,15 @@ def test_strategy_trains_like_one_device(parity, name):
     assert relative_error(parity("untrained", *REFERENCE, "--steps", "0"), reference) > 1e-3
     for key in ("val/acc", "val/loss"):
         assert result["metrics"][key] == pytest.approx(reference["metrics"][key], rel=1e-5, abs=1e-6)
+    total = int(reference["held"].sum())
+    if name == "fsdp":  # each rank held its half of every parameter, and together all of them
+        assert int(result["held"].sum()) == total and int(result["held"].max()) <= 0.55 * total, result["held"]
+    elif name != "dp":
+        assert result["held"].tolist() == [total, total]  # replicas
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp", "ddp", "horovod"])
+@pytest.mark.parametrize("name", ["dp", "ddp", "horovod", "fsdp"])
 def test_gradient_accumulation_matches_one_device(parity, name):
     reference = parity("reference_acc2", *REFERENCE, "--accumulate", "2")
     result = parity(f"{name}_acc2", *VARIANT_CASES[name], "--accumulate", "2")

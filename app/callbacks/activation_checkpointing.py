@@ -24,7 +24,6 @@ when fitting ends. Evaluation and ``torch.no_grad()`` never recompute.
 
 from __future__ import annotations
 
-import fnmatch
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -36,7 +35,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from app.errors import UserError
-from app.task import spec_of
+from app.task import match_modules, spec_of
 
 
 class ActivationCheckpointing(Callback):
@@ -76,15 +75,11 @@ class ActivationCheckpointing(Callback):
 
 def apply_activation_checkpointing(root: nn.Module, targets: tuple[str, ...]) -> list[str]:
     """Checkpoint every module whose class name or path matches a target (outermost matches only); returns paths."""
-    chosen: list[str] = []
-    for path, module in root.named_modules():
-        if not path or any(path.startswith(parent + ".") for parent in chosen):
-            continue
-        if type(module).__name__ in targets or any(fnmatch.fnmatchcase(path, t) for t in targets):
-            if not isinstance(module, _Checkpointed):
-                module.__class__ = _checkpointed_class(type(module))
-            chosen.append(path)
-    return chosen
+    chosen = match_modules(root, targets)
+    for _, module in chosen:
+        if not isinstance(module, _Checkpointed):
+            module.__class__ = _checkpointed_class(type(module))
+    return [path for path, _ in chosen]
 
 
 def remove_activation_checkpointing(root: nn.Module) -> None:

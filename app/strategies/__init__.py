@@ -1,15 +1,20 @@
-"""The strategies Lightning 2.x removed, brought back and registered under their old names.
+"""The strategies Lightning 2.x removed, brought back and registered under their old names, and sharded data
+parallel that runs on CPU too.
 
-Importing :mod:`app` registers them, so ``--trainer.strategy=dp``, ``--trainer.strategy=horovod``, YAML configs and
-``Trainer(strategy="dp")`` work. ``ddp`` and ``ddp_spawn`` are Lightning's own.
+Importing :mod:`app` registers them, so ``--trainer.strategy=dp``, ``--trainer.strategy=horovod``,
+``--trainer.strategy=fsdp``, YAML configs and ``Trainer(strategy="dp")`` work. ``ddp`` and ``ddp_spawn`` are
+Lightning's own; ``fsdp`` takes the name over from Lightning's GPU-only FSDP1 strategy (still there by class path,
+``lightning.pytorch.strategies.FSDPStrategy``).
 """
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from app.lightning_internals import free_strategy_name
 from app.strategies.dp import DataParallelStrategy
+from app.strategies.fsdp import FSDPStrategy
 from app.strategies.horovod import HorovodStrategy
 
-__all__ = ["DataParallelStrategy", "HorovodStrategy"]
+__all__ = ["DataParallelStrategy", "FSDPStrategy", "HorovodStrategy"]
 
 if "dp" not in StrategyRegistry:
     StrategyRegistry.register(
@@ -19,3 +24,11 @@ if "horovod" not in StrategyRegistry:
     StrategyRegistry.register(
         "horovod", HorovodStrategy, description="Horovod programming model over MPI (horovodrun / mpirun)"
     )
+if "fsdp" not in StrategyRegistry or StrategyRegistry["fsdp"]["strategy"] is not FSDPStrategy:
+    StrategyRegistry.register(
+        "fsdp",
+        FSDPStrategy,
+        description="FSDP2: parameters, gradients and optimizer state sharded over the ranks (CPU and GPU)",
+        override=True,
+    )
+    free_strategy_name("fsdp")

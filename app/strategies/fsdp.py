@@ -1,0 +1,231 @@
+"""``strategy="fsdp"``: sharded data parallel (PyTorch's FSDP2, ``fully_shard``), on CPU as well as on GPUs.
+
+    python cli.py fit --trainer.strategy=fsdp --trainer.devices=4
+    python cli.py fit --trainer.strategy=fsdp --trainer.strategy.blocks='[BasicBlock]' --trainer.precision=bf16-mixed
+
+Each of N processes trains on its own slice of every batch, as under ``ddp``, but keeps only 1/N of each parameter,
+of its gradient and of the optimizer's state:
+
+1. **shard**: every block (the task's ``spec.blocks``, app/task.py: the example's residual blocks) becomes one
+   FSDP unit, and each top-level submodule of the LightningModule (the example's ``net``) one more for whatever its
+   blocks leave (stem, head). A unit's parameters are split into N flat pieces, one per rank;
+2. **forward / backward**: a unit all-gathers its full parameters just before it runs and frees them after
+   (``reshard_after_forward``), so at most a unit or two are whole at any moment; backward gathers again and
+   reduce-scatters the gradients, so each rank ends the step with the mean gradient of its own piece;
+3. **step**: the optimizer updates each rank's piece, with optimizer state for that piece only.
+
+The sum is the same as ddp's mean over ranks, so the run trains like one device on the global batch (float64
+parity in tests/test_strategies.py). Lightning 2.6's own ``fsdp`` (FSDP1) refuses CPU; its ``ModelParallelStrategy``
+needs the model to shard itself in ``configure_model``. Here the strategy does it, so any task trains unchanged.
+
+Checkpoints hold one full state dict, as every other strategy's do: rank 0 gathers the weights and the optimizer
+state (torch.distributed.checkpoint's ``get_*_state_dict`` with ``full_state_dict``, keyed like
+``optimizer.state_dict()``), so ``last.ckpt`` loads under ``torch.load(weights_only=True)``, in ``cli.py test`` /
+``predict`` / ``export`` and in any other strategy, and a run resumes at any number of devices. The gathering needs
+every rank: a rank lost mid-run takes its piece with it, so elastic restarts go on from the last checkpoint on
+disk instead of a survivor's memory (docs/model-parallel.md).
+
+With ``--trainer.precision=bf16-mixed`` the units compute and reduce in bfloat16 (FSDP2's ``MixedPrecisionPolicy``)
+while each rank keeps its piece, its gradients and the optimizer state in float32; ``param_dtype`` and
+``reduce_dtype`` choose otherwise (``reduce_dtype=float32`` sums gradients in float32).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.utilities.distributed import _distributed_is_initialized
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed import default_pg_timeout
+
+from app.errors import UserError
+from app.task import match_modules, spec_of
+
+DType = Literal["float32", "bfloat16", "float16", "float64"]
+
+
+class FSDPStrategy(DDPStrategy):
+    strategy_name = "fsdp"
+
+    def __init__(
+        self,
+        blocks: list[str] | None = None,
+        reshard_after_forward: bool = True,
+        param_dtype: DType | None = None,
+        reduce_dtype: DType | None = None,
+        accelerator=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        """
+        Args:
+            blocks: The modules that become one FSDP unit each: class names (``BasicBlock``) or paths as in
+                ``named_modules()``, globs allowed (``net.layer*``). Default: the blocks the task's ``spec`` names;
+                none named, each top-level submodule is one unit.
+            reshard_after_forward: Free a unit's gathered parameters after its forward (less memory; backward
+                gathers them again). ``false`` keeps them until backward: one all-gather per unit and step fewer.
+            param_dtype: The dtype units compute in (default: bfloat16 under ``--trainer.precision=bf16-mixed``,
+                else the parameters' own).
+            reduce_dtype: The dtype gradients are reduce-scattered in (default: ``param_dtype``).
+            process_group_backend: ``gloo``, ``nccl`` (default: nccl on GPUs, gloo on CPU).
+            timeout: The process group's timeout: a collective waiting longer for a lost peer fails.
+        """
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.blocks = tuple(blocks) if blocks else ()
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.units: list[str] = []  # the sharded modules' paths, in the order they were wrapped
+
+    # ---------------------------------------------------------------- shard the model
+    def setup(self, trainer) -> None:
+        precision = str(trainer.precision)
+        if precision == "16-mixed":
+            raise UserError(
+                "--trainer.strategy=fsdp with --trainer.precision=16-mixed: float16's loss scaling does not reach "
+                "the sharded gradients here; use bf16-mixed (the same speed on GPUs that have it) or 32-true"
+            )
+        super().setup(trainer)  # fitting: configure_ddp() shards the model before the optimizers are made
+        if trainer.state.fn != TrainerFn.FITTING:  # test / validate / predict: sharded too, the model may not fit
+            self.model = self._setup_model(self.model)
+
+    def configure_ddp(self) -> None:
+        self.model = self._setup_model(self.model)  # no DistributedDataParallel and no comm hooks: FSDP reduces
+
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if _is_sharded(model) or not _distributed_is_initialized():
+            return model  # (trainer.test after trainer.fit: sharded already)
+        self.units = []
+
+        own = [name for name, _ in model.named_parameters(recurse=False)]
+        if own:
+            raise UserError(
+                f"--trainer.strategy=fsdp shards the submodules of {type(model).__name__}, but the parameters "
+                f"{', '.join(own)} are its own: move them into a submodule (self.net = ...)"
+            )
+        mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
+        options = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
+        policy = self._mixed_precision(model)
+        if policy is not None:
+            options["mp_policy"] = policy
+        targets = self.blocks or spec_of(model).blocks
+        blocks = match_modules(model, targets) if targets else []
+        if self.blocks and not blocks:
+            raise UserError(
+                f"--trainer.strategy.blocks={list(self.blocks)} matches no module of {type(model).__name__}; give "
+                "class names (e.g. BasicBlock) or paths as in named_modules() (e.g. net.layer1)"
+            )
+        for path, block in blocks:
+            fully_shard(block, **options)
+            self.units.append(path)
+        for name, child in model.named_children():
+            if isinstance(child, FSDPModule) or not any(True for _ in child.parameters()):
+                continue
+            fully_shard(child, **options)  # what the blocks leave: the stem, the head
+            self.units.append(name)
+        return model
+
+    def _mixed_precision(self, model: nn.Module):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        param = self.param_dtype or ("bfloat16" if str(self.precision_plugin.precision) == "bf16-mixed" else None)
+        reduce = self.reduce_dtype or param
+        if param is None and reduce is None:
+            return None
+        return MixedPrecisionPolicy(
+            param_dtype=getattr(torch, param) if param else None,
+            reduce_dtype=getattr(torch, reduce) if reduce else None,
+            cast_forward_inputs=True,
+        )
+
+    @property
+    def sharded(self) -> bool:
+        return self.model is not None and _is_sharded(self.model)
+
+    # ---------------------------------------------------------------- one full state dict in every checkpoint
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self.sharded:
+            return super().lightning_module_state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        # every rank takes part in the gathering; rank 0 gets the full tensors, on the CPU, the others nothing
+        return get_model_state_dict(self.model, options=_full_state())
+
+    def optimizer_state(self, optimizer) -> dict[str, Any]:
+        if not self.sharded:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        state = get_optimizer_state_dict(self.model, optimizer, options=_full_state())
+        return _by_index(state) if self.is_global_zero else {}
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        if not self.sharded:
+            return super().load_optimizer_state_dict(checkpoint)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            optimizer = getattr(optimizer, "_optimizer", optimizer)
+            order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+            set_optimizer_state_dict(
+                self.model, optimizer, _by_name(state, order), options=StateDictOptions(full_state_dict=True)
+            )
+        return None
+
+
+def _is_sharded(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _full_state():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _by_index(state: dict) -> dict:
+    """torch.distributed.checkpoint names parameters by path; ``optimizer.state_dict()`` numbers them in the order
+    of its param groups. The numbered form is what every other strategy saves and loads."""
+    index: dict[str, int] = {}
+    for group in state["param_groups"]:
+        for name in group["params"]:
+            index.setdefault(name, len(index))
+    return {
+        "state": {index[name]: value for name, value in state["state"].items()},
+        "param_groups": [{**group, "params": [index[n] for n in group["params"]]} for group in state["param_groups"]],
+    }
+
+
+def _by_name(state: dict, order: list[str]) -> dict:
+    """The numbered form back into paths, by this optimizer's own order of parameters."""
+    if sum(len(g["params"]) for g in state["param_groups"]) != len(order):
+        raise UserError(
+            f"the checkpoint's optimizer state holds {sum(len(g['params']) for g in state['param_groups'])} "
+            f"parameters, this model's optimizer {len(order)}: resume with the optimizer that wrote it"
+        )
+    return {
+        "state": {order[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]],
+    }
