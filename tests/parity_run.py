@@ -84,8 +84,9 @@ class SaveResult(Callback):
     """Rank 0 saves the trained weights where training ran: spawn-style launchers hand weights back to the parent
     process in the parent's dtype (float32), which would round away the float64 run's precision.
 
-    Also saved: ``held``, the number of parameter elements each rank holds (fsdp: its shards); ``compute_dtypes``, for every rank the number of training forwards whose first convolution computed
-    in each of DTYPES (row per rank): what mixed precision really did on every rank and dp replica.
+    Also saved: ``held``, the parameter elements each rank holds (fsdp: its shards), and ``compute_dtypes``, for
+    every rank the number of training forwards whose first convolution computed in each of DTYPES (row per rank):
+    what mixed precision really did on every rank and dp replica.
     """
 
     def __init__(self, out: str) -> None:
