@@ -100,7 +100,7 @@ def python() -> str:
 
 
 # module fixtures whose tests change or read one folder, or share one expensive run (per parameter)
-SHARED_RUNS = ("bad_input_dir", "run_dir", "recorded")
+SHARED_RUNS = ("bad_input_dir", "run_dir", "recorded", "fsdp_unbroken")
 
 
 @pytest.hookimpl(trylast=True)

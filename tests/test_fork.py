@@ -388,12 +388,13 @@ def _sequence(root: Path, *args: str, subcommand: str = "fit") -> list[str]:
 
 @pytest.mark.slow
 def test_the_sequence_task_under_every_strategy_with_the_callbacks(tmp_path):
-    """dp, ddp, ddp_spawn and self-launched horovod train it with SyncBatchNorm, LRWarmup and activation
-    checkpointing on; ddp, ddp_spawn and horovod end at the same weights; checkpoints carry its metric's name."""
+    """dp, ddp, ddp_spawn, self-launched horovod and fsdp train it with SyncBatchNorm, LRWarmup and activation
+    checkpointing on; ddp, ddp_spawn, horovod and fsdp end at the same weights; checkpoints carry its metric's
+    name."""
     callbacks = [f"--trainer.callbacks+=app.callbacks.{name}" for name in ("SyncBatchNorm", "LRWarmup")]
     callbacks += ["--trainer.callbacks+=app.callbacks.ActivationCheckpointing"]
     weights = {}
-    for strategy in ("dp", "ddp", "ddp_spawn", "horovod"):
+    for strategy in ("dp", "ddp", "ddp_spawn", "horovod", "fsdp"):
         root = tmp_path / strategy
         result = run(
             _sequence(root, f"--trainer.strategy={strategy}", "--trainer.devices=2", *callbacks),
@@ -409,7 +410,7 @@ def test_the_sequence_task_under_every_strategy_with_the_callbacks(tmp_path):
         unexpected = [line for line in noise(result.stderr) if "dp runs its replicas in one process" not in line]
         assert unexpected == [], f"{strategy}: {unexpected}"
         weights[strategy] = torch.load(root / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
-    for strategy in ("ddp_spawn", "horovod"):
+    for strategy in ("ddp_spawn", "horovod", "fsdp"):
         for name, value in weights["ddp"]["state_dict"].items():
             torch.testing.assert_close(weights[strategy]["state_dict"][name], value, rtol=1e-5, atol=1e-6)
 

@@ -1,0 +1,104 @@
+"""Model parallelism: ``fsdp`` (sharded data parallel) as users run it, through cli.py from another folder.
+
+Its parity with one device is in tests/test_strategies.py (with the other strategies' cases); here its checkpoints:
+one full state dict that every other strategy loads and that resumes exactly, also at another world size, after a
+preemption, and from another strategy's checkpoint. The runs train in float64 with a batch-independent norm, so an
+exact resume means equal weights up to summation order (relative error < 1e-10, tests/parity.py).
+"""
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests import warm
+from tests.conftest import ROOT, TINY_CONFIG
+from tests.parity import TOLERANCE, relative_error
+
+EXACT = ("--trainer.precision=64-true", "--model.norm=group", "--trainer.max_epochs=2")
+EXACT += ("--data.train_size=64", "--data.batch_size=4")  # 8 steps an epoch on 2 devices
+
+
+def fit(root: Path, cwd: Path, *args: str, subcommand: str = "fit") -> str:
+    """cli.py run in ``cwd`` (not the run's root); returns its output. Fails on a non-zero exit unless 143."""
+    result = warm.run(
+        [sys.executable, str(ROOT / "cli.py"), subcommand, "--config", str(TINY_CONFIG), *EXACT]
+        + [f"--trainer.default_root_dir={root}", "--trainer.limit_train_batches=null", *args],
+        cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode in (0, 143), output[-4000:]
+    return output
+
+
+def last(root: Path, version: int) -> dict:
+    return torch.load(root / "lightning_logs" / f"version_{version}" / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def fsdp_unbroken(tmp_path_factory) -> dict:
+    """Two epochs of fsdp on 2 processes, unbroken: the run every other one here must end equal to."""
+    root, cwd = tmp_path_factory.mktemp("fsdp_unbroken"), tmp_path_factory.mktemp("cwd")
+    output = fit(root, cwd, "--trainer.strategy=fsdp", "--trainer.devices=2")
+    assert "2 x cpu (fsdp)" in output
+    return {"root": root, "checkpoint": last(root, 0)}
+
+
+@pytest.mark.slow
+def test_an_fsdp_checkpoint_is_one_full_state_dict_that_other_strategies_load(fsdp_unbroken, tmp_path):
+    checkpoint = fsdp_unbroken["checkpoint"]  # torch.load(weights_only=True) took it: plain tensors, no DTensor
+    weights = checkpoint["state_dict"]
+    assert all(type(t) is torch.Tensor and t.dtype == torch.float64 for t in weights.values())
+    from tests.tiny import TinyClassifier
+
+    expected = TinyClassifier(norm="group").state_dict()
+    assert {k: v.shape for k, v in weights.items()} == {k: v.shape for k, v in expected.items()}  # full, not shards
+    # the optimizer's state as optimizer.state_dict() numbers it: a momentum buffer for every parameter
+    [optimizer] = checkpoint["optimizer_states"]
+    parameters = [p for p in expected if not p.endswith(("running_mean", "running_var", "num_batches_tracked"))]
+    assert [i for g in optimizer["param_groups"] for i in g["params"]] == list(range(len(parameters)))
+    assert sorted(optimizer["state"]) == list(range(len(parameters)))
+    assert all(optimizer["state"][i]["momentum_buffer"].shape == expected[p].shape for i, p in enumerate(parameters))
+
+    ckpt = str(fsdp_unbroken["root"] / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt")
+    metrics = {}
+    for strategy in ("ddp", "fsdp"):  # evaluated by another strategy, and by fsdp itself (sharded evaluation)
+        output = fit(tmp_path / strategy, tmp_path, f"--trainer.strategy={strategy}", "--trainer.devices=2",
+                     f"--ckpt_path={ckpt}", subcommand="test")  # fmt: skip
+        metrics[strategy] = re.search(r"test/acc\s*│\s*([\d.]+)", output)[1]  # Lightning's results table
+    assert metrics["ddp"] == metrics["fsdp"]
+
+
+@pytest.mark.slow
+def test_an_fsdp_run_stopped_mid_epoch_resumes_exactly_on_one_device(fsdp_unbroken, tmp_path):
+    """SIGTERM on rank 1 after step 3 of 8 in epoch 0 (the ranks stop together a step or two later): every rank
+    takes part in gathering the state, rank 0 writes it; resumed on one device (accumulate 2 keeps the global
+    batch) the run ends at the unbroken run's weights."""
+    root = tmp_path / "runs"
+    stop = {"class_path": "tests.signal_at_step.SignalAtStep", "init_args": {"step": 3, "rank": 1}}
+    output = fit(root, tmp_path, "--trainer.strategy=fsdp", "--trainer.devices=2",
+                 "--trainer.callbacks+=" + json.dumps(stop))  # fmt: skip
+    stopped = re.search(r"SIGTERM: stopped after step (\d+) \(epoch 0\)", output)  # when the ranks agree on it
+    assert stopped and 3 <= int(stopped[1]) < 8, output[-3000:]
+    assert last(root, 0)["global_step"] == int(stopped[1])
+    output = fit(root, tmp_path, "--trainer.devices=1", "--ckpt_path=last")
+    assert "2 -> 1 devices: accumulate_grad_batches 1 -> 2 keeps the global batch" in output, output[-3000:]
+    resumed = last(root, 1)
+    assert resumed["global_step"] == fsdp_unbroken["checkpoint"]["global_step"]
+    assert relative_error(resumed, fsdp_unbroken["checkpoint"]) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_ddp_checkpoint_resumes_under_fsdp_exactly(fsdp_unbroken, tmp_path):
+    """One epoch under ddp, the second under fsdp from its last.ckpt: the optimizer's momentum goes into the shards
+    and the run ends at the unbroken fsdp run's weights."""
+    root = tmp_path / "runs"
+    fit(root, tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.max_epochs=1")
+    fit(root, tmp_path, "--trainer.strategy=fsdp", "--trainer.devices=2", "--ckpt_path=last")
+    resumed = last(root, 1)
+    assert resumed["global_step"] == fsdp_unbroken["checkpoint"]["global_step"]
+    assert relative_error(resumed, fsdp_unbroken["checkpoint"]) < TOLERANCE
