@@ -23,7 +23,7 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
 7. The fit loop's counters, which Lightning checkpoints but does not document: :func:`step_row` (the row the loop
    logs after this step), :func:`step_values_read` (is this
    step's logged value read: the loop's last-batch flag, ``val_check_batch``, ``total_batch_idx``),
-   :func:`resuming_fit` and :func:`shift_batch_count` (an elastic restart lines the batch count up with the
+   :func:`shift_batch_count` (an elastic restart lines the batch count up with the
    re-dealt loader), :func:`fit_loop_state` (the loops' state after a step).
 8. The layout of ``checkpoint["loops"]``: :func:`epochs_done`, :func:`validation_progress`,
    :func:`fit_loop_of`, :func:`restart_validation` (a stop or a lost rank in validation
@@ -146,11 +146,6 @@ def step_values_read(trainer, batch_idx: int) -> bool:
         return True
     index = loop.total_batch_idx if trainer.check_val_every_n_epoch is None else batch_idx
     return (index + 1) % int(every_batches) == 0
-
-
-def resuming_fit(trainer) -> bool:
-    """Whether this fit restored its loops from a checkpoint and has not yet finished restarting."""
-    return bool(trainer.fit_loop.restarting)
 
 
 def shift_batch_count(trainer, shift: int) -> None:

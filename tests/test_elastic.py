@@ -168,6 +168,31 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
 
 
 @pytest.mark.slow
+def test_a_lost_node_under_fsdp_restarts_from_the_last_checkpoint_on_disk(tmp_path):
+    """Under fsdp each rank holds a shard of the state, and a lost node takes its shard along: the survivor says so
+    in one line instead of saving, and torchrun's restart goes on from the epoch-0 checkpoint at world size 1 with
+    the global batch kept; epoch 1 is trained again in full, each sample once."""
+    root, records = tmp_path / "runs", tmp_path / "records"
+    port = find_free_network_port()
+    lose = {"class_path": "tests.lose_node.LoseNodeAtStep", "init_args": {"step": 8}}  # epoch 1: steps 6 to 11
+    args = fit_args(root, records, "--trainer.strategy=fsdp", "--trainer.callbacks+=" + json.dumps(lose))
+    survivor, lost = run_two_nodes(tmp_path, port, args)
+    output, other = (tmp_path / "survivor.log").read_text(), (tmp_path / "lost.log").read_text()
+    assert survivor.returncode == 0, output[-4000:] + "\n--- the lost node:\n" + other[-3000:]
+    [run] = (root / "lightning_logs").glob("version_*")
+    line = "under fsdp each rank holds a shard of the state and the lost rank's is gone, so none is saved here; a "
+    line += f"restart goes on from the last checkpoint written ({run.resolve() / 'checkpoints' / 'last.ckpt'})"
+    assert line in output, output[-4000:]
+    assert "2 -> 1 devices: accumulate_grad_batches 1 -> 2 keeps the global batch 8" in output, output[-4000:]
+    final = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert final["global_step"] == EPOCHS * SAMPLES // (2 * BATCH)
+    assert_each_sample_once_per_epoch(read_records(records), resumed_at_step=SAMPLES // (2 * BATCH))
+    with (run / "metrics.csv").open(newline="") as f:
+        steps = [int(row["step"]) for row in csv.DictReader(f) if row["train/loss"]]
+    assert steps == list(range(final["global_step"]))  # one row per step: the lost steps' rows are gone
+
+
+@pytest.mark.slow
 def test_a_restart_with_no_saved_state_trains_again_from_the_start_with_the_configured_global_batch(tmp_path):
     """Node B is lost after step 3 and the survivor cannot save (its disk is full): torchrun restarts the job on one
     node with nothing to resume from. It trains the run again from its start in the same folder, with the first
@@ -289,6 +314,25 @@ def test_a_mid_epoch_checkpoint_of_two_processes_resumes_on_one_each_sample_once
         with (root / "lightning_logs" / f"version_{version}" / "metrics.csv").open(newline="") as f:
             logged += [int(row["step"]) for row in csv.DictReader(f) if row.get("train/loss")]
     assert logged == list(range(final["global_step"]))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_from_an_epochs_end_resumes_on_one_device_with_the_global_batch_kept(tmp_path):
+    """Epoch 0 on 2 processes, then ``--ckpt_path last`` on one device: accumulate 2 keeps the global batch of 8, and
+    epoch 1 takes the 6 steps of an unbroken run. Before, a checkpoint from an epoch's end (which Lightning's fit
+    loop does not count as a restart) resumed at accumulate 1: 12 steps at half the global batch."""
+    root, records = tmp_path / "runs", tmp_path / "records"
+    for more in (("--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.max_epochs=1"),
+                 ("--trainer.devices=1", "--ckpt_path=last")):  # fmt: skip
+        result = warm.run(
+            [sys.executable, *fit_args(root, records, *more)],
+            cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 -> 1 devices: accumulate_grad_batches 1 -> 2 keeps the global batch 8" in result.stdout + result.stderr
+    final = load_checkpoint(root / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt")
+    assert final["global_step"] == EPOCHS * SAMPLES // (2 * BATCH)
+    assert_each_sample_once_per_epoch(read_records(records), resumed_at_step=SAMPLES // (2 * BATCH))
 
 
 @pytest.mark.slow

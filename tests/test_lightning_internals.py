@@ -142,7 +142,6 @@ def test_loop_counters_and_the_checkpoints_loop_layout(tmp_path):
         epochs_done,
         fit_loop_state,
         put_fit_loop_state,
-        resuming_fit,
         shift_batch_count,
         step_values_read,
         validation_progress,
@@ -153,14 +152,14 @@ def test_loop_counters_and_the_checkpoints_loop_layout(tmp_path):
     class Probe(BoringModel):
         def on_train_batch_end(self, outputs, batch, batch_idx):
             seen.setdefault("read", []).append(step_values_read(self.trainer, batch_idx))
-            seen["count"], seen["resuming"] = batch_count(self.trainer), resuming_fit(self.trainer)
+            seen["count"] = batch_count(self.trainer)
 
     trainer = Trainer(
         default_root_dir=tmp_path, accelerator="cpu", max_epochs=1, limit_train_batches=4, limit_val_batches=1,
         log_every_n_steps=50, logger=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(Probe())
-    assert seen["read"] == [False, False, False, True] and seen["count"] == 4 and seen["resuming"] is False
+    assert seen["read"] == [False, False, False, True] and seen["count"] == 4
     shift_batch_count(trainer, 2)
     assert batch_count(trainer) == 6
     trainer.save_checkpoint(tmp_path / "x.ckpt")

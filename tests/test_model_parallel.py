@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.strategies import StrategyRegistry
 
+from app.callbacks import DDPCommHook
+from app.errors import UserError
+from app.strategies import FSDPStrategy
+from app.task import match_modules
 from tests import warm
 from tests.conftest import ROOT, TINY_CONFIG
 from tests.parity import TOLERANCE, relative_error
@@ -102,3 +109,54 @@ def test_a_ddp_checkpoint_resumes_under_fsdp_exactly(fsdp_unbroken, tmp_path):
     resumed = last(root, 1)
     assert resumed["global_step"] == fsdp_unbroken["checkpoint"]["global_step"]
     assert relative_error(resumed, fsdp_unbroken["checkpoint"]) < TOLERANCE
+
+
+# ------------------------------------------------------------------------------------------------ fsdp: bad input
+def test_fsdp_is_ours_under_its_lightning_name_and_takes_a_cpu():
+    assert StrategyRegistry["fsdp"]["strategy"] is FSDPStrategy
+    trainer = Trainer(strategy="fsdp", accelerator="cpu", devices=2, logger=False)  # Lightning's FSDP1 refuses this
+    assert isinstance(trainer.strategy, FSDPStrategy)
+
+
+def test_fsdp_refuses_float16_mixed_precision_before_any_process_starts():
+    """(On a GPU: Lightning turns 16-mixed on CPU into bf16-mixed.) Lightning sets up the launcher as the Trainer is
+    made, before anything starts: the refusal comes there."""
+    strategy = FSDPStrategy(precision_plugin=MixedPrecision("16-mixed", "cuda", scaler=object()))
+    with pytest.raises(UserError, match="--trainer.strategy=fsdp with --trainer.precision=16-mixed: .* use bf16-mixed"):
+        strategy._configure_launcher()
+
+
+def test_fsdp_dtypes_are_checked():
+    with pytest.raises(UserError, match=r"--trainer.strategy.reduce_dtype=int8: use one of float32, bfloat16"):
+        FSDPStrategy(reduce_dtype="int8")
+
+
+def test_a_ddp_communication_hook_is_refused_under_fsdp():
+    trainer = type("T", (), {"strategy": FSDPStrategy(), "world_size": 2, "num_devices": 1})()
+    with pytest.raises(UserError, match="not FSDPStrategy; fsdp reduce-scatters its own gradients"):
+        DDPCommHook().setup(trainer, None, "fit")
+
+
+def test_blocks_are_found_by_class_name_or_path_outermost_first():
+    from tests.tiny import TinyClassifier
+
+    model = TinyClassifier(blocks=3)
+    assert [path for path, _ in match_modules(model, ("Block",))] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert [path for path, _ in match_modules(model, ("blocks", "Block"))] == ["blocks"]  # not its blocks again
+    assert [path for path, _ in match_modules(model, ("blocks.[02]",))] == ["blocks.0", "blocks.2"]
+
+
+@pytest.mark.slow
+def test_blocks_that_match_nothing_are_one_line_and_leave_no_run_folder(tmp_path):
+    result = warm.run(
+        [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(TINY_CONFIG), "--trainer.strategy=fsdp"]
+        + ["--trainer.devices=2", "--trainer.strategy.blocks=[Transformer]", f"--trainer.default_root_dir={tmp_path}"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        "error: --trainer.strategy.blocks=['Transformer'] matches no module of TinyClassifier; give class names "
+        "(e.g. BasicBlock) or paths as in named_modules() (e.g. net.layer1)"
+    ], result.stderr[-3000:]
+    assert not (tmp_path / "lightning_logs").exists()

@@ -26,6 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.nn.parallel import DistributedDataParallel
 
 from app.errors import UserError
+from app.strategies.fsdp import FSDPStrategy
 
 Hook = Literal["fp16", "bf16", "powersgd"]
 
@@ -50,13 +51,14 @@ class DDPCommHook(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         several = trainer.world_size > 1 or trainer.num_devices > 1
-        if stage == "fit" and several and not isinstance(trainer.strategy, DDPStrategy):
+        plain_ddp = isinstance(trainer.strategy, DDPStrategy) and not isinstance(trainer.strategy, FSDPStrategy)
+        if stage == "fit" and several and not plain_ddp:
             name = type(trainer.strategy).__name__
-            instead = (
-                "the horovod strategy compresses with --trainer.strategy.compression=fp16|bf16"
-                if name == "HorovodStrategy"
-                else "use --trainer.strategy=ddp to compress what the processes exchange"
-            )
+            instead = {
+                "HorovodStrategy": "the horovod strategy compresses with --trainer.strategy.compression=fp16|bf16",
+                "FSDPStrategy": "fsdp reduce-scatters its own gradients, in bfloat16 with "
+                "--trainer.strategy.reduce_dtype=bfloat16",
+            }.get(name, "use --trainer.strategy=ddp to compress what the processes exchange")
             raise UserError(
                 f"app.callbacks.DDPCommHook works with --trainer.strategy=ddp or ddp_spawn, not {name}; {instead}"
             )

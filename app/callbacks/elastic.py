@@ -63,7 +63,6 @@ from app.lightning_internals import (
     put_fit_loop_state,
     restart_validation,
     resume_into_validation,
-    resuming_fit,
     saving_alone,
     shift_batch_count,
     step_row,
@@ -218,7 +217,8 @@ class Elastic(Callback):
         devices = trainer.world_size * _devices_per_process(trainer)
         device_batch = loader.batch_size // _devices_per_process(trainer)
         given = {"devices": devices, "device_batch": device_batch, "accumulate": trainer.accumulate_grad_batches}
-        restored = self._restored if resuming_fit(trainer) else None
+        # resumed from a checkpoint: also one taken at an epoch's end, which the fit loop does not count as restarting
+        restored = self._restored if trainer.ckpt_path is not None else None
         if restored and restored.get("devices") != devices:
             self._line_up_batches(trainer, loader)
         if self.keep_global_batch and restored:
@@ -439,6 +439,17 @@ class Elastic(Callback):
         step, loops = self._last_step
         if trainer.global_step != step:
             return False  # failed between an optimizer step and its batch's end: the weights are past the position
+        if getattr(trainer.strategy, "sharded", False):  # fsdp: no rank holds the whole state, and the lost one's
+            # part is gone with it; the restart goes on from the last checkpoint on disk, as a resume would
+            written = trainer.checkpoint_callback.last_model_path
+            since = f"the last checkpoint written ({written})" if written and Path(written).is_file() else "the start"
+            say(
+                trainer,
+                f"[rank {trainer.global_rank}] {type(exception).__name__} after step {step}: under fsdp each rank "
+                f"holds a shard of the state and the lost rank's is gone, so none is saved here; a restart goes on "
+                f"from {since}",
+            )
+            return True
         if trainer.validating:  # the weights are the last step's; the restart validates this epoch again in full
             loops = fit_loop_state(trainer)
             restart_validation(loops)

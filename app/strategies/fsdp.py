@@ -36,7 +36,7 @@ from datetime import timedelta
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.distributed import _distributed_is_initialized
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -87,19 +87,24 @@ class FSDPStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
+        for flag, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if dtype is not None and dtype not in DType.__args__:
+                raise UserError(f"--trainer.strategy.{flag}={dtype}: use one of {', '.join(DType.__args__)}")
         self.blocks = tuple(blocks) if blocks else ()
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.units: list[str] = []  # the sharded modules' paths, in the order they were wrapped
 
     # ---------------------------------------------------------------- shard the model
-    def setup(self, trainer) -> None:
-        precision = str(trainer.precision)
-        if precision == "16-mixed":
+    def _configure_launcher(self) -> None:  # Lightning calls it when the Trainer is made: before any launch
+        if str(self.precision_plugin.precision) == "16-mixed":
             raise UserError(
                 "--trainer.strategy=fsdp with --trainer.precision=16-mixed: float16's loss scaling does not reach "
                 "the sharded gradients here; use bf16-mixed (the same speed on GPUs that have it) or 32-true"
             )
+        super()._configure_launcher()
+
+    def setup(self, trainer) -> None:
         super().setup(trainer)  # fitting: configure_ddp() shards the model before the optimizers are made
         if trainer.state.fn != TrainerFn.FITTING:  # test / validate / predict: sharded too, the model may not fit
             self.model = self._setup_model(self.model)
@@ -111,7 +116,7 @@ class FSDPStrategy(DDPStrategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
-        if _is_sharded(model) or not _distributed_is_initialized():
+        if _is_sharded(model) or not (dist.is_available() and dist.is_initialized()):
             return model  # (trainer.test after trainer.fit: sharded already)
         self.units = []
 
