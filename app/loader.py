@@ -146,7 +146,8 @@ def make_loader(
 
     What it keeps, whichever strategy runs (``trainer`` may be None outside a Trainer):
 
-    - ``batch_size`` is per device: ``dp``, one process over several devices, gets its devices' batches together;
+    - ``batch_size`` is per device: ``dp``, one process over several devices, gets its devices' batches together, and
+      so does each ``pipeline`` replica, whose stages all work on its batch;
     - training: one seeded order for all ranks (rank r of N takes every N-th sample of it), so N ranks train on what
       one device trains at N x the batch; the loader saves its position in the epoch with the checkpoint and a
       resume (at any world size, an elastic restart included) trains each remaining sample of the epoch once;
@@ -155,7 +156,7 @@ def make_loader(
     ``options`` go to ``DataLoader`` (``collate_fn``, ``num_workers``, ...); ``pin_memory`` defaults to True on CUDA.
     """
     strategy = trainer.strategy if trainer is not None else None
-    batch_size = batch_size * getattr(strategy, "devices_per_process", 1)
+    batch_size = batch_size * devices_per_batch(strategy)
     shard = getattr(strategy, "distributed_sampler_kwargs", None) or {}
     on_cuda = strategy is not None and strategy.root_device.type == "cuda"
     options.setdefault("pin_memory", on_cuda)
@@ -171,3 +172,15 @@ def make_loader(
     else:
         sampler = None
     return DataLoader(dataset, sampler=sampler, batch_size=batch_size, **options)
+
+
+def devices_per_batch(strategy) -> int:
+    """How many devices share each batch a loader gives: dp's (one process drives them all), a pipeline's stages
+    (each stage runs every sample of its replica's batch), else 1. ``--data.batch_size`` is per device, so the
+    loader's batch is that many times it, and the global batch is batch_size x devices under every strategy."""
+    return getattr(strategy, "devices_per_process", None) or getattr(strategy, "stages", None) or 1
+
+
+def data_parallel_size(trainer) -> int:
+    """Into how many slices each global batch is dealt: the processes, or a pipeline's replicas."""
+    return getattr(trainer.strategy, "data_parallel_size", None) or trainer.world_size

@@ -39,6 +39,10 @@ class TaskSpec:
     brings its own values for these to ``--ckpt_path`` runs; giving another value is an error naming both."""
     blocks: tuple[str, ...] = ()
     """Submodule class names or paths (globs allowed) that activation checkpointing wraps by default."""
+    layers: str = ""
+    """The network that ``--trainer.strategy=pipeline`` cuts into stages, by its path (``"net"``); its forward must
+    run its layers one after another: an ``nn.Sequential``, a torchvision ResNet, or a module whose
+    ``pipeline_layers()`` returns them in order. Default: the only top-level submodule that holds parameters."""
     lr_flag: str = "--model.optimizer.lr"
     """The flag that sets the learning rate, named in hints (divergence, warmup)."""
     samples: Callable[[Any], int] | None = None

@@ -112,6 +112,8 @@ CASES = {
     "ddp_spawn": ["--strategy", "ddp_spawn", "--devices", "2", "--batch-size", "8"],
     "horovod_self_launched": ["--strategy", "horovod", "--devices", "2", "--batch-size", "8"],
     "fsdp": ["--strategy", "fsdp", "--devices", "2", "--batch-size", "8"],
+    "pipeline": ["--strategy", "pipeline", "--devices", "2", "--batch-size", "8"],  # 2 stages share a batch of 16
+    "pipeline_2x2": ["--strategy", "pipeline", "--devices", "4", "--stages", "2", "--batch-size", "4"],  # 2 x 8
 }
 REFERENCE = ["--devices", "1", "--batch-size", "16"]
 
@@ -126,6 +128,7 @@ VARIANT_CASES = {  # the strategies the variant tests are parametrized over; "ho
     "ddp_spawn": CASES["ddp_spawn"],
     "horovod": CASES["horovod_self_launched"],
     "fsdp": CASES["fsdp"],
+    "pipeline": CASES["pipeline"],
 }
 LAUNCHES = {
     "ddp_variants": (
@@ -155,6 +158,15 @@ LAUNCHES = {
             "fsdp_ckpt": [*VARIANT_CASES["fsdp"], "--checkpointing"],
             "fsdp_bn_sync": [*VARIANT_CASES["fsdp"], *BN_WARMUP, "--sync-bn", "--checkpointing"],
             "fsdp_bn_plain": [*VARIANT_CASES["fsdp"], *BN_WARMUP],
+        },
+    ),
+    "pipeline_variants": (
+        "torchrun",
+        {
+            "pipeline_acc2": [*VARIANT_CASES["pipeline"], "--accumulate", "2"],
+            "pipeline_bf16_mixed": [*VARIANT_CASES["pipeline"], "--precision", "bf16-mixed"],
+            "pipeline_ckpt": [*VARIANT_CASES["pipeline"], "--checkpointing"],
+            "pipeline_gpipe": [*VARIANT_CASES["pipeline"], "--schedule", "gpipe", "--microbatches", "8"],
         },
     ),
     "horovod_variants": (

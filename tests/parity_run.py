@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--powersgd-rank", type=int, default=1)
     parser.add_argument("--train-size", type=int, default=512)
     parser.add_argument("--val-size", type=int, default=101)
+    parser.add_argument("--stages", type=int, help="pipeline: stages (default: the devices)")
+    parser.add_argument("--microbatches", type=int, default=4, help="pipeline: micro-batches per batch")
+    parser.add_argument("--schedule", default="1f1b", help="pipeline: gpipe or 1f1b")
     parser.add_argument("--warmup-steps", type=int, default=0, help="add LRWarmup (linear scaling rule) if > 0")
     args = parser.parse_args(argv)
 
@@ -58,6 +61,10 @@ def main(argv: list[str] | None = None) -> None:
         from app.strategies import HorovodStrategy
 
         strategy = HorovodStrategy(compression=args.compression)
+    if strategy == "pipeline":
+        from app.strategies import PipelineStrategy
+
+        strategy = PipelineStrategy(stages=args.stages, microbatches=args.microbatches, schedule=args.schedule)
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -84,9 +91,9 @@ class SaveResult(Callback):
     """Rank 0 saves the trained weights where training ran: spawn-style launchers hand weights back to the parent
     process in the parent's dtype (float32), which would round away the float64 run's precision.
 
-    Also saved: ``held``, the parameter elements each rank holds (fsdp: its shards), and ``compute_dtypes``, for
-    every rank the number of training forwards whose first convolution computed in each of DTYPES (row per rank):
-    what mixed precision really did on every rank and dp replica.
+    Also saved: ``held``, the parameter elements each rank holds (fsdp: its shards; pipeline: its stage), and
+    ``compute_dtypes``, for every rank the number of training forwards of the model's first and last layer that
+    computed in each of DTYPES (row per rank): what mixed precision really did on every rank and dp replica.
     """
 
     def __init__(self, out: str) -> None:
@@ -94,19 +101,25 @@ class SaveResult(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         self.counts = torch.zeros(len(DTYPES), dtype=torch.long)
-        conv = next(m for m in pl_module.modules() if isinstance(m, torch.nn.Conv2d))
+        # the first layer that computes, and the last (a pipeline's first and last stage each run one of them)
+        layers = [m for m in pl_module.modules() if isinstance(m, torch.nn.Conv2d | torch.nn.Linear)]
 
         def count(module, inputs, output) -> None:
             if module.training:
                 self.counts[DTYPES.index(output.dtype)] += 1
 
-        self.hook = conv.register_forward_hook(count)
+        self.hooks = [layer.register_forward_hook(count) for layer in (layers[0], layers[-1])]
+
+    def on_train_end(self, trainer, pl_module) -> None:  # before the strategy's teardown (pipeline: reassembles)
+        held = torch.tensor([sum(local_numel(p) for p in pl_module.parameters())], device=pl_module.device)
+        self.held = trainer.strategy.all_gather(held).reshape(-1).cpu()  # each rank's (fsdp: shards; pipeline: stage)
+        return self.held
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        self.hook.remove()
+        for hook in self.hooks:
+            hook.remove()
         counts = trainer.strategy.all_gather(self.counts.to(pl_module.device)).reshape(-1, len(DTYPES)).cpu()
-        held = torch.tensor([sum(local_numel(p) for p in pl_module.parameters())], device=pl_module.device)
-        held = trainer.strategy.all_gather(held).reshape(-1).cpu()  # parameters each rank holds (fsdp: its shards)
+        held = self.held if hasattr(self, "held") else self.on_train_end(trainer, pl_module)  # (no training: 0 steps)
         # what a checkpoint holds, as the strategy gathers it (a collective under fsdp: every rank takes part)
         weights = trainer.strategy.lightning_module_state_dict()
         if trainer.is_global_zero:
@@ -119,6 +132,8 @@ class SaveResult(Callback):
 
 def local_numel(parameter: torch.Tensor) -> int:
     """Elements of a parameter this rank holds: a sharded one's (a DTensor) local piece, else all of them."""
+    if parameter.is_meta:  # pipeline: another stage's layer
+        return 0
     return parameter.to_local().numel() if hasattr(parameter, "to_local") else parameter.numel()
 
 

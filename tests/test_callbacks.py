@@ -320,7 +320,7 @@ def test_checkpointing_that_matches_nothing_names_the_flag():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp", "ddp_spawn", "horovod", "fsdp"])
+@pytest.mark.parametrize("name", ["dp", "ddp_spawn", "horovod", "fsdp", "pipeline"])
 def test_checkpointing_under_strategies_trains_like_one_device(parity, name):
     reference = parity("reference", *REFERENCE)
     result = parity(f"{name}_ckpt", *VARIANT_CASES[name], "--checkpointing")

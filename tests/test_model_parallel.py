@@ -73,11 +73,11 @@ def test_an_fsdp_checkpoint_is_one_full_state_dict_that_other_strategies_load(fs
 
     ckpt = str(fsdp_unbroken["root"] / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt")
     metrics = {}
-    for strategy in ("ddp", "fsdp"):  # evaluated by another strategy, and by fsdp itself (sharded evaluation)
+    for strategy in ("ddp", "fsdp", "pipeline"):  # evaluated by another strategy, by fsdp itself, by the stages
         output = fit(tmp_path / strategy, tmp_path, f"--trainer.strategy={strategy}", "--trainer.devices=2",
                      f"--ckpt_path={ckpt}", subcommand="test")  # fmt: skip
         metrics[strategy] = re.search(r"test/acc\s*│\s*([\d.]+)", output)[1]  # Lightning's results table
-    assert metrics["ddp"] == metrics["fsdp"]
+    assert metrics["ddp"] == metrics["fsdp"] == metrics["pipeline"], metrics
 
 
 @pytest.mark.slow
@@ -100,15 +100,39 @@ def test_an_fsdp_run_stopped_mid_epoch_resumes_exactly_on_one_device(fsdp_unbrok
 
 
 @pytest.mark.slow
-def test_a_ddp_checkpoint_resumes_under_fsdp_exactly(fsdp_unbroken, tmp_path):
-    """One epoch under ddp, the second under fsdp from its last.ckpt: the optimizer's momentum goes into the shards
-    and the run ends at the unbroken fsdp run's weights."""
+@pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
+def test_a_ddp_checkpoint_resumes_under_model_parallelism_exactly(fsdp_unbroken, tmp_path, strategy):
+    """One epoch under ddp, the second under fsdp (the optimizer's momentum goes into the shards) or pipeline (each
+    stage takes its layers' part, at the same global batch of 2 x 4): the run ends at the unbroken run's weights."""
     root = tmp_path / "runs"
     fit(root, tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.max_epochs=1")
-    fit(root, tmp_path, "--trainer.strategy=fsdp", "--trainer.devices=2", "--ckpt_path=last")
+    fit(root, tmp_path, f"--trainer.strategy={strategy}", "--trainer.devices=2", "--ckpt_path=last")
     resumed = last(root, 1)
     assert resumed["global_step"] == fsdp_unbroken["checkpoint"]["global_step"]
     assert relative_error(resumed, fsdp_unbroken["checkpoint"]) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_a_pipeline_run_stopped_mid_epoch_resumes_exactly_under_ddp(fsdp_unbroken, tmp_path):
+    """2 stages sharing batches of 2 x 4 (the global batch of the fsdp run), SIGTERM after step 3: the checkpoint holds
+    both stages' layers and their optimizer state, plain tensors; ddp on 2 processes resumes it to the unbroken
+    run's weights."""
+    root = tmp_path / "runs"
+    stop = {"class_path": "tests.signal_at_step.SignalAtStep", "init_args": {"step": 3, "rank": 1}}
+    output = fit(root, tmp_path, "--trainer.strategy=pipeline", "--trainer.devices=2",
+                 "--trainer.callbacks+=" + json.dumps(stop))  # fmt: skip
+    stopped = re.search(r"SIGTERM: stopped after step (\d+) \(epoch 0\)", output)
+    assert stopped and 3 <= int(stopped[1]) < 8, output[-3000:]
+    checkpoint = last(root, 0)
+    expected = fsdp_unbroken["checkpoint"]
+    assert {k: v.shape for k, v in checkpoint["state_dict"].items()} == {
+        k: v.shape for k, v in expected["state_dict"].items()
+    }
+    assert sorted(checkpoint["optimizer_states"][0]["state"]) == sorted(expected["optimizer_states"][0]["state"])
+    fit(root, tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2", "--ckpt_path=last")
+    resumed = last(root, 1)
+    assert resumed["global_step"] == expected["global_step"]
+    assert relative_error(resumed, expected) < TOLERANCE
 
 
 # ------------------------------------------------------------------------------------------------ fsdp: bad input
@@ -141,9 +165,9 @@ def test_blocks_are_found_by_class_name_or_path_outermost_first():
     from tests.tiny import TinyClassifier
 
     model = TinyClassifier(blocks=3)
-    assert [path for path, _ in match_modules(model, ("Block",))] == ["blocks.0", "blocks.1", "blocks.2"]
-    assert [path for path, _ in match_modules(model, ("blocks", "Block"))] == ["blocks"]  # not its blocks again
-    assert [path for path, _ in match_modules(model, ("blocks.[02]",))] == ["blocks.0", "blocks.2"]
+    assert [path for path, _ in match_modules(model, ("Block",))] == ["net.block0", "net.block1", "net.block2"]
+    assert [path for path, _ in match_modules(model, ("net", "Block"))] == ["net"]  # not its blocks again
+    assert [path for path, _ in match_modules(model, ("net.block[02]",))] == ["net.block0", "net.block2"]
 
 
 @pytest.mark.slow

@@ -245,7 +245,7 @@ def test_a_float64_run_stopped_and_resumed_is_bitwise_an_unbroken_one(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     [expected] = versions(tmp_path / "unbroken")
     final = last_ckpt(versions(tmp_path / "stopped")[-1])
-    assert final["state_dict"]["conv1.weight"].dtype == torch.float64
+    assert final["state_dict"]["net.conv1.weight"].dtype == torch.float64
     assert final["global_step"] == last_ckpt(expected)["global_step"] == 2 * STEPS_PER_EPOCH
     assert_same_weights(final, last_ckpt(expected))
 

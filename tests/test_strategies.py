@@ -52,15 +52,17 @@ def test_strategy_trains_like_one_device(parity, name):
     assert relative_error(parity("untrained", *REFERENCE, "--steps", "0"), reference) > 1e-3
     for key in ("val/acc", "val/loss"):
         assert result["metrics"][key] == pytest.approx(reference["metrics"][key], rel=1e-5, abs=1e-6)
-    total = int(reference["held"].sum())
+    total, held = int(reference["held"].sum()), result["held"]
     if name == "fsdp":  # each rank held its half of every parameter, and together all of them
-        assert int(result["held"].sum()) == total and int(result["held"].max()) <= 0.55 * total, result["held"]
+        assert int(held.sum()) == total and int(held.max()) <= 0.55 * total, held
+    elif name.startswith("pipeline"):  # each rank held its stage's layers; each replica's two stages all of them
+        assert all(int(pair.sum()) == total and int(pair.min()) > 0 for pair in held.reshape(-1, 2)), held
     elif name != "dp":
-        assert result["held"].tolist() == [total, total]  # replicas
+        assert held.tolist() == [total, total]  # replicas
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["dp", "ddp", "horovod", "fsdp"])
+@pytest.mark.parametrize("name", ["dp", "ddp", "horovod", "fsdp", "pipeline"])
 def test_gradient_accumulation_matches_one_device(parity, name):
     reference = parity("reference_acc2", *REFERENCE, "--accumulate", "2")
     result = parity(f"{name}_acc2", *VARIANT_CASES[name], "--accumulate", "2")
@@ -75,7 +77,7 @@ def test_ddp_in_float32_matches_one_device_up_to_summation_order(parity):
     reference = parity("reference_float32", *REFERENCE, "--precision", "32-true")
     result = parity("ddp_float32", *CASES["ddp"], "--precision", "32-true")
     check_steps("ddp", result, reference)
-    assert reference["state_dict"]["conv1.weight"].dtype == torch.float32
+    assert reference["state_dict"]["net.conv1.weight"].dtype == torch.float32
     assert relative_error(result, reference) < FLOAT32_TOLERANCE
 
 
@@ -251,8 +253,8 @@ def test_dp_keeps_only_chunk_zero_batchnorm_update():
     x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 4, (8,))
     strategy._data_parallel("training_step", nullcontext, (x, y), 0)
     expected(x[:4])  # one replica's forward: the batch-norm update it keeps
-    assert torch.equal(model.norm1.running_mean, expected.norm1.running_mean)
-    assert int(model.norm1.num_batches_tracked) == 1
+    assert torch.equal(model.net.norm1.running_mean, expected.net.norm1.running_mean)
+    assert int(model.net.norm1.num_batches_tracked) == 1
 
 
 def test_dp_on_one_device_is_the_single_device_run(monkeypatch, tmp_path):

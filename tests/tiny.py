@@ -10,6 +10,7 @@ as a fork would (``spec`` and :func:`app.loader.make_loader`), and nothing of ``
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -71,10 +72,16 @@ class TinyClassifier(LightningModule):
         """
         super().__init__()
         self.save_hyperparameters()
-        self.conv1 = nn.Conv2d(1, width, 3, padding=1, bias=False)
-        self.norm1 = norm_layer(norm, width)
-        self.blocks = nn.Sequential(*(Block(width, norm) for _ in range(blocks)))
-        self.head = nn.Linear(width * SIZE * SIZE, classes)
+        self.net = nn.Sequential(  # layer after layer: what the pipeline strategy deals out to its stages
+            OrderedDict(
+                conv1=nn.Conv2d(1, width, 3, padding=1, bias=False),
+                norm1=norm_layer(norm, width),
+                relu=nn.ReLU(),
+                **{f"block{i}": Block(width, norm) for i in range(blocks)},
+                flatten=nn.Flatten(1),
+                head=nn.Linear(width * SIZE * SIZE, classes),
+            )
+        )
         # the epoch's mean over all ranks' samples; a diverged run's NaN is StopOnNonFinite's to report, not a warning
         self.train_loss = MeanMetric(nan_strategy="ignore")
         self.train_acc = MulticlassAccuracy(classes, average="micro")
@@ -85,8 +92,7 @@ class TinyClassifier(LightningModule):
         self.test_acc = MulticlassAccuracy(classes, average="micro")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.norm1(self.conv1(x.to(self.dtype))))
-        return self.head(self.blocks(x).flatten(1))
+        return self.net(x.to(self.dtype))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

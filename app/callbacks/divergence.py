@@ -73,9 +73,14 @@ class StopOnNonFinite(Callback):
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         # Called on every rank while the checkpoint is assembled, before anything is written. Weights are the same
-        # on every rank (their gradients were all-reduced), so each rank reaches the same answer without talking.
-        finite = torch.stack([torch.isfinite(p.detach()).all() for p in pl_module.parameters()]).all()
-        if not bool(finite):
+        # on every rank (their gradients were all-reduced), so each rank reaches the same answer without talking;
+        # under fsdp and pipeline each rank holds a part of them (a shard; a stage's layers) and the ranks agree.
+        held = [p.detach() for p in pl_module.parameters() if not p.is_meta]  # (another stage's: not here)
+        held = [p.to_local() if hasattr(p, "to_local") else p for p in held]  # (a shard's own piece)
+        finite = bool(torch.stack([torch.isfinite(p).all() for p in held]).all()) if held else True
+        if getattr(trainer.strategy, "sharded", False):
+            finite = trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if not finite:
             self._local_ranks = take_over_local_ranks(trainer)
             raise Diverged(self._message(trainer, "non-finite weights", math.nan), trainer.global_rank)
 

@@ -68,7 +68,7 @@ from app.lightning_internals import (
     step_row,
     validation_follows,
 )
-from app.loader import ResumableLoader
+from app.loader import ResumableLoader, data_parallel_size, devices_per_batch
 
 # Settings Lightning counts in batches per process (when given as a whole number)
 BATCH_COUNTS = ("limit_train_batches", "limit_val_batches", "val_check_interval")
@@ -98,7 +98,8 @@ def keep_metrics_rows(trainer, rows: int) -> None:
 
 
 def _devices_per_process(trainer) -> int:
-    return getattr(trainer.strategy, "devices_per_process", 1)
+    """The devices of one data-parallel slice: dp's devices, a pipeline's stages, else 1."""
+    return devices_per_batch(trainer.strategy)
 
 
 def _train_loader(trainer):
@@ -177,7 +178,7 @@ class Elastic(Callback):
 
     def on_fit_start(self, trainer, pl_module) -> None:
         """Before the loops read them: batch counts given for another world size are rescaled to this one."""
-        devices = trainer.world_size * _devices_per_process(trainer)
+        devices = data_parallel_size(trainer) * _devices_per_process(trainer)
         given = {name: getattr(trainer, name) for name in BATCH_COUNTS}
         counts = (self._restored or self.started_as or {}).get("counts")
         if counts and counts.get("given") == given and counts["devices"] != devices:
@@ -214,7 +215,7 @@ class Elastic(Callback):
         if not isinstance(loader, ResumableLoader):
             self._warn_own_loader(trainer, loader)
             return
-        devices = trainer.world_size * _devices_per_process(trainer)
+        devices = data_parallel_size(trainer) * _devices_per_process(trainer)
         device_batch = loader.batch_size // _devices_per_process(trainer)
         given = {"devices": devices, "device_batch": device_batch, "accumulate": trainer.accumulate_grad_batches}
         # resumed from a checkpoint: also one taken at an epoch's end, which the fit loop does not count as restarting
@@ -259,7 +260,7 @@ class Elastic(Callback):
             void.append("a resume from a checkpoint taken mid-epoch starts that epoch over")
         if self.restartable or is_restart():
             void.append("a restart after a lost node or rank changes neither the order nor the global batch")
-        if _devices_per_process(trainer) > 1:
+        if getattr(trainer.strategy, "devices_per_process", 1) > 1:
             void.append(f"dp splits each of its batches over {_devices_per_process(trainer)} devices")
         if void:
             warnings.warn(

@@ -29,6 +29,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.errors import UserError
+from app.loader import data_parallel_size
 
 Schedule = Literal["linear", "exponential", "constant"]
 ScaleRule = Literal["none", "linear", "sqrt"]
@@ -112,7 +113,7 @@ class LRWarmup(Callback):
         message = f"LRWarmup: {self.schedule} warmup over {how}, from {self.start_factor:g} x lr"
         if self.scale_lr != "none":
             per_process = _loader_batch_size(trainer)
-            global_batch = per_process * trainer.world_size * accumulate
+            global_batch = per_process * data_parallel_size(trainer) * accumulate
             devices = trainer.num_devices * trainer.num_nodes
             per_device = global_batch // (devices * accumulate)
             self.scale = lr_scale(global_batch, self.reference_batch, self.scale_lr)

@@ -1,9 +1,9 @@
-"""The strategies Lightning 2.x removed, brought back and registered under their old names, and sharded data
-parallel that runs on CPU too.
+"""The strategies Lightning 2.x removed, brought back and registered under their old names, and the two kinds of
+model parallelism: sharded data parallel that runs on CPU too, and pipeline stages.
 
-Importing :mod:`app` registers them, so ``--trainer.strategy=dp``, ``--trainer.strategy=horovod``,
-``--trainer.strategy=fsdp``, YAML configs and ``Trainer(strategy="dp")`` work. ``ddp`` and ``ddp_spawn`` are
-Lightning's own; ``fsdp`` takes the name over from Lightning's GPU-only FSDP1 strategy (still there by class path,
+Importing :mod:`app` registers them, so ``--trainer.strategy=dp``, ``horovod``, ``fsdp``, ``pipeline``, YAML
+configs and ``Trainer(strategy="dp")`` work. ``ddp`` and ``ddp_spawn`` are Lightning's own; ``fsdp`` takes the name
+over from Lightning's GPU-only FSDP1 strategy (still there by class path,
 ``lightning.pytorch.strategies.FSDPStrategy``).
 """
 
@@ -13,8 +13,9 @@ from app.lightning_internals import free_strategy_name
 from app.strategies.dp import DataParallelStrategy
 from app.strategies.fsdp import FSDPStrategy
 from app.strategies.horovod import HorovodStrategy
+from app.strategies.pipeline import PipelineStrategy
 
-__all__ = ["DataParallelStrategy", "FSDPStrategy", "HorovodStrategy"]
+__all__ = ["DataParallelStrategy", "FSDPStrategy", "HorovodStrategy", "PipelineStrategy"]
 
 if "dp" not in StrategyRegistry:
     StrategyRegistry.register(
@@ -32,3 +33,9 @@ if "fsdp" not in StrategyRegistry or StrategyRegistry["fsdp"]["strategy"] is not
         override=True,
     )
     free_strategy_name("fsdp")
+if "pipeline" not in StrategyRegistry:
+    StrategyRegistry.register(
+        "pipeline",
+        PipelineStrategy,
+        description="the network cut into stages, one process each, micro-batches through torch.distributed.pipelining",
+    )
