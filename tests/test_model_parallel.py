@@ -17,14 +17,16 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
 
 from app.callbacks import DDPCommHook
 from app.errors import UserError
-from app.strategies import FSDPStrategy
+from app.strategies import FSDPStrategy, PipelineStrategy
+from app.strategies.pipeline import _Pipeline, balanced, layers_of, network_of
 from app.task import match_modules
 from tests import warm
 from tests.conftest import ROOT, TINY_CONFIG
-from tests.parity import TOLERANCE, relative_error
+from tests.parity import LAUNCHES, REFERENCE, TOLERANCE, relative_error
 
 EXACT = ("--trainer.precision=64-true", "--model.norm=group", "--trainer.max_epochs=2")
 EXACT += ("--data.train_size=64", "--data.batch_size=4")  # 8 steps an epoch on 2 devices
@@ -184,3 +186,88 @@ def test_blocks_that_match_nothing_are_one_line_and_leave_no_run_folder(tmp_path
         "(e.g. BasicBlock) or paths as in named_modules() (e.g. net.layer1)"
     ], result.stderr[-3000:]
     assert not (tmp_path / "lightning_logs").exists()
+
+
+# ------------------------------------------------------------------------------------------------ pipeline
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["pipeline_gpipe"])
+def test_the_gpipe_schedule_trains_like_one_device(parity, name):
+    """(1F1B, the default, and the 2 x 2 mesh are in tests/test_strategies.py's parity cases.)"""
+    result, reference = parity(name, *LAUNCHES["pipeline_variants"][1][name]), parity("reference", *REFERENCE)
+    assert result["global_step"] == reference["global_step"] == 4
+    assert relative_error(result, reference) < TOLERANCE
+
+
+def test_the_layers_of_a_torchvision_resnet_compose_to_its_forward():
+    from app.fashion_mnist.networks import build_resnet
+
+    net = build_resnet("resnet_tiny", norm="group").eval()
+    x = torch.randn(2, 1, 28, 28)
+    torch.testing.assert_close(nn.Sequential(*layers_of(net))(x), net(x), rtol=0, atol=0)
+    assert layers_of(net)[-1] is net.fc and layers_of(net) == layers_of(net)  # the same modules every time
+
+
+def test_stages_get_contiguous_layers_balanced_by_parameters():
+    sizes = [nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 100)]
+    assert balanced(sizes, 2) == [4, 1]  # 330 parameters, then 1100
+    assert balanced(sizes, 5) == [1, 1, 1, 1, 1]
+    assert sum(balanced([nn.ReLU()] * 7, 3)) == 7
+
+
+@pytest.mark.parametrize(
+    ("options", "devices", "message"),
+    [
+        ({"stages": 2}, 3, "3 devices cannot hold pipelines of 2 stages; use a multiple of 2 devices"),
+        ({"stages": 2, "microbatches": 1}, 2, r"microbatches=1: the 1f1b schedule needs at least as many"),
+        ({"stages": 0}, 2, r"--trainer.strategy.stages=0: use a whole number >= 1"),
+        ({"schedule": "zb"}, 2, r"--trainer.strategy.schedule=zb: use one of gpipe, 1f1b"),
+        ({"balance": [3, 0]}, 2, r"--trainer.strategy.balance=\[3, 0\]: give the layers of each stage"),
+        ({"balance": [3, 4], "stages": 3}, 2, r"gives 2 stages, stages=3"),
+    ],
+)
+def test_pipeline_layouts_that_cannot_work_are_one_line_before_anything_starts(options, devices, message):
+    with pytest.raises(UserError, match=message):
+        Trainer(strategy=PipelineStrategy(**options), accelerator="cpu", devices=devices, logger=False)
+
+
+def test_a_network_the_pipeline_cannot_cut_is_one_line():
+    from tests.tiny import TinyClassifier
+
+    class TwoNetworks(TinyClassifier):
+        def __init__(self):
+            super().__init__()
+            self.other = nn.Linear(2, 2)
+
+    with pytest.raises(UserError, match="holds parameters in net, other; name the network with TaskSpec"):
+        network_of(TwoNetworks())
+    with pytest.raises(UserError, match="GRU is not an nn.Sequential, so its layers are unknown; give it a pipeline_"):
+        layers_of(nn.GRU(2, 2))
+    strategy = type("S", (), {"stages": 8, "balance": None})()
+    with pytest.raises(UserError, match="8 stages, but the network has 7 layers to deal out"):
+        _Pipeline(strategy, TinyClassifier())
+
+
+def test_callbacks_that_cannot_work_under_a_pipeline_are_one_line():
+    from app.callbacks import SyncBatchNorm
+
+    trainer = type("T", (), {"strategy": PipelineStrategy(), "world_size": 2, "num_devices": 2})()
+    with pytest.raises(UserError, match="SyncBatchNorm does not work with --trainer.strategy=pipeline"):
+        SyncBatchNorm().setup(trainer, None, "fit")
+    with pytest.raises(UserError, match="not PipelineStrategy; a pipeline's stages send activations"):
+        DDPCommHook().setup(trainer, None, "fit")
+
+
+@pytest.mark.slow
+def test_micro_batches_that_do_not_divide_the_batch_are_one_line(tmp_path):
+    result = warm.run(
+        [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(TINY_CONFIG), "--trainer.strategy=pipeline"]
+        + ["--trainer.devices=2", "--trainer.strategy.microbatches=3", f"--trainer.default_root_dir={tmp_path}"],
+        cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        "error: --trainer.strategy.microbatches=3 does not divide a pipeline's batch of 32 samples "
+        "(--data.batch_size=16 per device x 2 stages); give microbatches that divide 32, or a batch size that makes "
+        "it a multiple of 3"
+    ], result.stderr[-3000:]

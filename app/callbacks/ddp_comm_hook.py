@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from app.errors import UserError
 from app.strategies.fsdp import FSDPStrategy
+from app.strategies.pipeline import PipelineStrategy
 
 Hook = Literal["fp16", "bf16", "powersgd"]
 
@@ -51,13 +52,16 @@ class DDPCommHook(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         several = trainer.world_size > 1 or trainer.num_devices > 1
-        plain_ddp = isinstance(trainer.strategy, DDPStrategy) and not isinstance(trainer.strategy, FSDPStrategy)
+        plain_ddp = isinstance(trainer.strategy, DDPStrategy) and not isinstance(
+            trainer.strategy, FSDPStrategy | PipelineStrategy
+        )
         if stage == "fit" and several and not plain_ddp:
             name = type(trainer.strategy).__name__
             instead = {
                 "HorovodStrategy": "the horovod strategy compresses with --trainer.strategy.compression=fp16|bf16",
                 "FSDPStrategy": "fsdp reduce-scatters its own gradients, in bfloat16 with "
                 "--trainer.strategy.reduce_dtype=bfloat16",
+                "PipelineStrategy": "a pipeline's stages send activations, and average gradients only over replicas",
             }.get(name, "use --trainer.strategy=ddp to compress what the processes exchange")
             raise UserError(
                 f"app.callbacks.DDPCommHook works with --trainer.strategy=ddp or ddp_spawn, not {name}; {instead}"

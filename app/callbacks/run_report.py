@@ -81,7 +81,8 @@ class RunReport(Callback):
         loss_sum = torch.as_tensor(self._loss_sum, dtype=torch.float64, device=pl_module.device).reshape(1)
         totals = torch.cat([torch.tensor([self._images], dtype=torch.float64, device=pl_module.device), loss_sum])
         totals = trainer.strategy.reduce(totals, reduce_op="sum")
-        images, loss_sum = totals.tolist()
+        stages = getattr(trainer.strategy, "stages", 1)  # a pipeline's stages all see each of its samples
+        images, loss_sum = (total / stages for total in totals.tolist())
         seconds = time.perf_counter() - self._epoch_start
         parts = [f"epoch {trainer.current_epoch}"]
         if images:

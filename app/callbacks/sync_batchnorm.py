@@ -29,9 +29,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from app.errors import TemplateWarning
+from app.errors import TemplateWarning, UserError
 from app.lightning_internals import drop_layer_sync
 from app.strategies.dp import DataParallelStrategy
+from app.strategies.pipeline import PipelineStrategy
 
 
 class SyncBatchNorm(Callback):
@@ -48,6 +49,11 @@ class SyncBatchNorm(Callback):
                 category=TemplateWarning,
             )
             return
+        if isinstance(strategy, PipelineStrategy):
+            raise UserError(
+                "SyncBatchNorm does not work with --trainer.strategy=pipeline: each stage holds other BatchNorm layers "
+                "and normalises micro-batches; use a batch-independent norm (GroupNorm, LayerNorm) or leave it out"
+            )
         if trainer.world_size == 1:
             rank_zero_info("SyncBatchNorm: one process, nothing to synchronize; BatchNorm layers left as they are.")
             return
