@@ -440,15 +440,16 @@ class Elastic(Callback):
         step, loops = self._last_step
         if trainer.global_step != step:
             return False  # failed between an optimizer step and its batch's end: the weights are past the position
-        if getattr(trainer.strategy, "sharded", False):  # fsdp: no rank holds the whole state, and the lost one's
-            # part is gone with it; the restart goes on from the last checkpoint on disk, as a resume would
+        if getattr(trainer.strategy, "sharded", False):  # fsdp, pipeline: no rank holds the whole state, and the
+            # lost one's part is gone with it; the restart goes on from the last checkpoint on disk, as a resume would
             written = trainer.checkpoint_callback.last_model_path
             since = f"the last checkpoint written ({written})" if written and Path(written).is_file() else "the start"
+            part = "a stage's layers" if getattr(trainer.strategy, "stages", None) else "a shard"
             say(
                 trainer,
-                f"[rank {trainer.global_rank}] {type(exception).__name__} after step {step}: under fsdp each rank "
-                f"holds a shard of the state and the lost rank's is gone, so none is saved here; a restart goes on "
-                f"from {since}",
+                f"[rank {trainer.global_rank}] {type(exception).__name__} after step {step}: under "
+                f"{trainer.strategy.strategy_name} each rank holds {part} of the state and the lost rank's is gone, "
+                f"so none is saved here; a restart goes on from {since}",
             )
             return True
         if trainer.validating:  # the weights are the last step's; the restart validates this epoch again in full

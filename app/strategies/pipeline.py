@@ -14,7 +14,7 @@ each stage's gradients are averaged over its replicas, as ddp does.
 
 Which network, which layers: the task's ``spec.layers`` (app/task.py) names the network; by default it is the
 LightningModule's only top-level submodule that holds parameters (the example's ``net``). Its layers are an
-``nn.Sequential``'s children, a torchvision ResNet's stem, stages, pool and head, or whatever the network's own
+``nn.Sequential``'s children, a torchvision ResNet's stem, residual blocks, pool and head, or whatever the network's own
 ``pipeline_layers()`` returns; they are dealt to the stages in order, balanced by parameter count unless
 ``balance`` gives the number of layers per stage. Each process keeps only its stage's layers (the others are
 freed, on the ``meta`` device), their gradients and optimizer state.
@@ -468,10 +468,8 @@ def layers_of(net: nn.Module) -> list[nn.Module]:
     if isinstance(net, ResNet):
         if not hasattr(net, "_pipeline_flatten"):  # kept, so that every call gives the same layers
             net._pipeline_flatten = nn.Flatten(1)
-        return [
-            *(net.conv1, net.bn1, net.relu, net.maxpool, net.layer1, net.layer2, net.layer3, net.layer4),
-            *(net.avgpool, net._pipeline_flatten, net.fc),
-        ]
+        blocks = [block for stage in (net.layer1, net.layer2, net.layer3, net.layer4) for block in stage]
+        return [net.conv1, net.bn1, net.relu, net.maxpool, *blocks, net.avgpool, net._pipeline_flatten, net.fc]
     raise UserError(
         f"--trainer.strategy=pipeline: {type(net).__name__} is not an nn.Sequential, so its layers are unknown; give "
         "it a pipeline_layers() method that returns them in the order its forward runs them"
