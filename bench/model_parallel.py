@@ -9,9 +9,11 @@ under each strategy in turn, through Lightning and the template's strategies as 
 - **memory held per rank**: bytes of parameters, gradients and optimizer state on each rank at the last step (a
   shard's own piece under fsdp; the stage's layers under pipeline), the largest rank against ddp's;
 - **step time**: the median over the timed steps (forward, backward, communication, optimizer), against ddp's;
-- **pipeline bubble**: the share of a step a stage spends waiting (1 - the time its forward and backward chunks
-  compute / the step time), the mean over stages, against the GPipe/1F1B formula (stages - 1) / (microbatches +
-  stages - 1), which assumes stages of equal cost and free communication.
+- **pipeline bubble**: the share of the schedule's time (``schedule.step``: the micro-batches' forward, backward
+  and sends) a stage spends not computing (1 - the time its forward and backward chunks take / the schedule's
+  time), the mean over stages, against the GPipe/1F1B formula (stages - 1) / (microbatches + stages - 1), which
+  assumes stages of equal cost and free communication. The rest of a step (the optimizer, the step's own code
+  run per micro-batch, Lightning) is in the step time, not in the bubble.
 
 Writes ``bench/results/model-parallel-<arch>-b<batch>-<device>.json`` and ``.md``.
 """
@@ -57,6 +59,7 @@ def _worker(args) -> None:
     """In each of the launched processes: every strategy in turn; rank 0 writes what all ranks measured."""
     import torch.distributed as dist
     from lightning.pytorch import Callback, Trainer, seed_everything
+    from torch.distributed.pipelining import schedules as pipelining_schedules
     from torch.distributed.pipelining import stage as pipelining_stage
 
     import app  # noqa: F401  (registers fsdp and pipeline)
@@ -64,33 +67,37 @@ def _worker(args) -> None:
     from app.fashion_mnist.model import ImageClassifier
     from app.strategies import PipelineStrategy
 
-    busy = {"seconds": 0.0}
-    base = pipelining_stage._PipelineStageBase
-    for name in ("forward_one_chunk", "backward_one_chunk"):  # a stage's compute, timed (the bench's own probe)
-        original = getattr(base, name)
+    busy = {"seconds": 0.0, "schedule": 0.0}
+    probes = [
+        (pipelining_stage._PipelineStageBase, "forward_one_chunk", "seconds"),  # a stage's compute
+        (pipelining_stage._PipelineStageBase, "backward_one_chunk", "seconds"),
+        (pipelining_schedules.PipelineScheduleSingle, "step", "schedule"),  # the whole schedule, waits included
+    ]
+    for owner, name, counter in probes:  # timed by wrapping them: the bench's own probe
+        original = getattr(owner, name)
 
-        def timed(self, *a, _original=original, **k):
+        def timed(self, *a, _original=original, _counter=counter, **k):
             start = time.perf_counter()
             try:
                 return _original(self, *a, **k)
             finally:
-                busy["seconds"] += time.perf_counter() - start
+                busy[_counter] += time.perf_counter() - start
 
-        setattr(base, name, timed)
+        setattr(owner, name, timed)
 
     class Probe(Callback):
         def __init__(self) -> None:
             self.steps, self.busy, self.held = [], [], {}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            self.start, busy["seconds"] = time.perf_counter(), 0.0
+            self.start, busy["seconds"], busy["schedule"] = time.perf_counter(), 0.0, 0.0
 
         def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
             self.held = held_bytes(pl_module, [])  # the gradients, before the step frees nothing
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.steps.append(time.perf_counter() - self.start)
-            self.busy.append(busy["seconds"])
+            self.busy.append((busy["seconds"], busy["schedule"]))
             self.held["optimizer"] = held_bytes(pl_module, trainer.optimizers)["optimizer"]
 
     layouts = [("ddp", "ddp", {}), ("fsdp", "fsdp", {})]
@@ -109,9 +116,11 @@ def _worker(args) -> None:
         data = FashionMNISTDataModule(source="synthetic", batch_size=args.batch_size, data_dir=args.data_dir)
         trainer.fit(ImageClassifier(arch=args.arch, norm="group"), data)
         timed = probe.steps[args.warmup :]
+        scheduled = [(compute, schedule) for compute, schedule in probe.busy[args.warmup :] if schedule]
         mine = {
             "step_s": median(timed),
-            "bubble": 1 - median(b / s for b, s in zip(probe.busy[args.warmup :], timed, strict=True)),
+            "schedule_s": median(schedule for _, schedule in scheduled) if scheduled else 0.0,
+            "bubble": 1 - median(compute / schedule for compute, schedule in scheduled) if scheduled else 0.0,
             **probe.held,
         }
         everyone = [None] * dist.get_world_size()
@@ -140,6 +149,7 @@ def summarize(rows: list[dict], ranks: int) -> list[dict]:
         }
         if row["kind"] == "pipeline":
             stages, m = ranks, row["microbatches"]
+            line["schedule ms"] = 1000 * median(r["schedule_s"] for r in row["ranks"])
             line["bubble"] = sum(r["bubble"] for r in row["ranks"]) / len(row["ranks"])
             line["(S-1)/(M+S-1)"] = (stages - 1) / (m + stages - 1)
         table.append(line)
@@ -174,7 +184,7 @@ def main() -> None:
         subprocess.run(command, check=True, cwd=ROOT, env=env)
         rows = json.loads(out.read_text())
     table = summarize(rows, args.ranks)
-    columns = [*table[0]] + ["bubble", "(S-1)/(M+S-1)"]
+    columns = [*table[0]] + ["schedule ms", "bubble", "(S-1)/(M+S-1)"]
     notes = (
         f"{args.arch} (GroupNorm), batch {args.batch_size} per device x {args.ranks} ranks, {args.steps} timed steps "
         f"after {args.warmup}; memory: the largest rank's; pipeline: {args.ranks} stages, one replica"
