@@ -11,7 +11,7 @@ under each strategy in turn, through Lightning and the template's strategies as 
 - **step time**: the median over the timed steps (forward, backward, communication, optimizer), against ddp's;
 - **pipeline bubble**: the share of the schedule's time (``schedule.step``: the micro-batches' forward, backward
   and sends) a stage spends not computing (1 - the time its forward and backward chunks take / the schedule's
-  time), the mean over stages, against the GPipe/1F1B formula (stages - 1) / (microbatches + stages - 1), which
+  time), the mean over stages (and each stage's), against the GPipe/1F1B formula (stages - 1) / (microbatches + stages - 1), which
   assumes stages of equal cost and free communication. The rest of a step (the optimizer, the step's own code
   run per micro-batch, Lightning) is in the step time, not in the bubble.
 
@@ -151,6 +151,7 @@ def summarize(rows: list[dict], ranks: int) -> list[dict]:
             stages, m = ranks, row["microbatches"]
             line["schedule ms"] = 1000 * median(r["schedule_s"] for r in row["ranks"])
             line["bubble"] = sum(r["bubble"] for r in row["ranks"]) / len(row["ranks"])
+            line["bubble per stage"] = " / ".join(f"{r['bubble']:.2f}" for r in row["ranks"])
             line["(S-1)/(M+S-1)"] = (stages - 1) / (m + stages - 1)
         table.append(line)
     return table
@@ -184,7 +185,7 @@ def main() -> None:
         subprocess.run(command, check=True, cwd=ROOT, env=env)
         rows = json.loads(out.read_text())
     table = summarize(rows, args.ranks)
-    columns = [*table[0]] + ["schedule ms", "bubble", "(S-1)/(M+S-1)"]
+    columns = [*table[0]] + ["schedule ms", "bubble", "bubble per stage", "(S-1)/(M+S-1)"]
     notes = (
         f"{args.arch} (GroupNorm), batch {args.batch_size} per device x {args.ranks} ranks, {args.steps} timed steps "
         f"after {args.warmup}; memory: the largest rank's; pipeline: {args.ranks} stages, one replica"

@@ -416,6 +416,20 @@ def test_the_sequence_task_under_every_strategy_with_the_callbacks(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_sequence_task_under_pipeline_is_told_in_one_line_what_to_name(tmp_path):
+    """Its GRU and its head are two top-level submodules: which one is "the network" to cut is the forker's call,
+    and the line says where to make it (TaskSpec(layers=...)); nothing is written."""
+    result = run(_sequence(tmp_path / "runs", "--trainer.strategy=pipeline", "--trainer.devices=2"), cwd=tmp_path)
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [
+        "error: --trainer.strategy=pipeline cuts one network into stages, but SequenceRegressor holds parameters in "
+        "gru, head; name the network with TaskSpec(layers=...)"
+    ], result.stderr[-3000:]
+    assert not (tmp_path / "runs" / "lightning_logs").exists()
+
+
+@pytest.mark.slow
 def test_the_sequence_task_stops_resumes_exactly_and_predicts(tmp_path):
     """SIGTERM after step 3 of 8 (a stop mid-epoch) under ddp, then the same command plus --ckpt_path last: the
     weights equal an unbroken run's; predict writes one row per test sequence with its target as the label."""

@@ -169,3 +169,17 @@ def test_loop_counters_and_the_checkpoints_loop_layout(tmp_path):
     state = fit_loop_state(trainer)
     put_fit_loop_state(checkpoint, state)
     assert checkpoint["loops"]["fit_loop"] is state
+
+
+def test_the_fsdp_name_list_the_accelerator_connector_checks():
+    """Item 10: Lightning's own FSDP strategy keeps the names it registered in a class list, which the connector
+    checks against a CPU accelerator; freed, the template's fsdp takes the name on a CPU."""
+    from lightning.pytorch.strategies import FSDPStrategy
+    from lightning.pytorch.trainer.connectors import accelerator_connector
+
+    from app.strategies import FSDPStrategy as TemplateFSDP
+
+    assert isinstance(FSDPStrategy._registered_strategies, list)
+    assert "get_registered_strategies" in inspect.getsource(accelerator_connector._AcceleratorConnector)
+    assert "fsdp" not in FSDPStrategy.get_registered_strategies()  # import app freed it
+    assert isinstance(Trainer(strategy="fsdp", accelerator="cpu", devices=1, logger=False).strategy, TemplateFSDP)

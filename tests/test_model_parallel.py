@@ -247,6 +247,16 @@ def test_a_network_the_pipeline_cannot_cut_is_one_line():
         _Pipeline(strategy, TinyClassifier())
 
 
+def test_clipping_by_norm_is_refused_under_a_pipeline():
+    from tests.tiny import TinyClassifier
+
+    strategy = PipelineStrategy()
+    strategy._lightning_module = TinyClassifier()
+    trainer = type("T", (), {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"})()
+    with pytest.raises(UserError, match="clips by the gradients' norm, which under --trainer.strategy=pipeline"):
+        strategy.setup(trainer)
+
+
 def test_callbacks_that_cannot_work_under_a_pipeline_are_one_line():
     from app.callbacks import SyncBatchNorm
 

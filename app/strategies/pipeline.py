@@ -155,6 +155,12 @@ class PipelineStrategy(DDPStrategy):
                 f"--trainer.strategy=pipeline runs the backward itself, so {type(self.lightning_module).__name__} "
                 "must use automatic optimization (no self.manual_backward)"
             )
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
+            raise UserError(
+                f"--trainer.gradient_clip_val={trainer.gradient_clip_val} clips by the gradients' norm, which under "
+                "--trainer.strategy=pipeline each stage would take over its own layers only; clip by value "
+                "(--trainer.gradient_clip_algorithm=value) or train without clipping"
+            )
         super().setup(trainer)  # fitting: configure_ddp() cuts the network before the optimizers are made
         if trainer.state.fn != TrainerFn.FITTING:
             self.model = self._setup_model(self.model)
