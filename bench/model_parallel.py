@@ -12,8 +12,8 @@ under each strategy in turn, through Lightning and the template's strategies as 
 - **pipeline bubble**: the share of the schedule's time (``schedule.step``: the micro-batches' forward, backward
   and sends) a stage spends not computing (1 - the time its forward and backward chunks take / the schedule's
   time), the mean over stages (and each stage's), against the GPipe/1F1B formula (stages - 1) / (microbatches +
-  stages - 1), which assumes stages of equal cost and free communication. The rest of a step (the optimizer, the step's own code
-  run per micro-batch, Lightning) is in the step time, not in the bubble.
+  stages - 1), which assumes stages of equal cost and free communication. The rest of a step (the optimizer, the
+  step's own code run per micro-batch, Lightning) is in the step time, not in the bubble.
 
 Writes ``bench/results/model-parallel-<arch>-b<batch>-<device>.json`` and ``.md``.
 """
