@@ -2,6 +2,7 @@
 
     python -m bench.model_parallel                   # CPU: 2 processes on gloo, resnet18, batch 16 per device
     python -m bench.model_parallel --arch resnet_tiny --batch-size 32 --steps 12 --microbatches 4 8
+    python -m bench.model_parallel --balance 8 7     # also resnet18's blocks split in half (by compute, not memory)
 
 One torchrun launch of ``--ranks`` processes trains the example task (app.fashion_mnist, synthetic 28x28 images)
 under each strategy in turn, through Lightning and the template's strategies as ``cli.py`` runs them:
@@ -103,6 +104,10 @@ def _worker(args) -> None:
     layouts = [("ddp", "ddp", {}), ("fsdp", "fsdp", {})]
     for m in args.microbatches:
         layouts.append((f"pipeline ({m} micro-batches, 1f1b)", "pipeline", {"microbatches": m}))
+    for m in args.microbatches if args.balance else ():
+        split = "/".join(map(str, args.balance))
+        options = {"microbatches": m, "balance": list(args.balance)}
+        layouts.append((f"pipeline ({m} micro-batches, layers {split})", "pipeline", options))
     rows = []
     for label, kind, options in layouts:
         seed_everything(0)
@@ -165,6 +170,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="timed steps per strategy")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument(
+        "--balance",
+        type=int,
+        nargs="*",
+        help="also the pipeline with these layers per stage (resnet18: 8 7 splits "
+        "its residual blocks in half, by compute; the default balances parameters)",
+    )
     parser.add_argument("--data-dir", default=None, help="where the synthetic data is made (default: a temp folder)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
