@@ -199,10 +199,10 @@ def test_the_gpipe_schedule_trains_like_one_device(parity, name):
 
 
 def test_the_layers_of_a_torchvision_resnet_compose_to_its_forward():
-    from app.fashion_mnist.networks import build_resnet
+    from torchvision.models import resnet18
 
-    net = build_resnet("resnet_tiny", norm="group").eval()
-    x = torch.randn(2, 1, 28, 28)
+    net = resnet18(num_classes=4).eval()
+    x = torch.randn(2, 3, 32, 32)
     torch.testing.assert_close(nn.Sequential(*layers_of(net))(x), net(x), rtol=0, atol=0)
     assert layers_of(net)[-1] is net.fc and layers_of(net) == layers_of(net)  # the same modules every time
 
