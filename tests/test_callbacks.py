@@ -3,6 +3,7 @@
 import csv
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -345,15 +346,20 @@ def test_all_callbacks_together_with_bf16_through_the_cli(workdir, capsys):
 
 # ================================================================================================ RunReport
 @pytest.mark.slow
-def test_run_report_rows_per_device_for_dp_and_ddp(workdir):
-    for strategy in ("dp", "ddp"):
+def test_run_report_rows_per_device_for_dp_ddp_and_pipeline(workdir):
+    """A row per device, whose images/s add up to the epoch line's (a pipeline's stages all see each sample: each
+    row counts its share, not the whole batch again)."""
+    for strategy in ("dp", "ddp", "pipeline"):
         result = cli_fit(workdir, f"--trainer.strategy={strategy}", "--trainer.devices=2")
         out = result.stdout
         assert f"Run report: {strategy}, 2 device(s)" in out, out[-2000:]
         table = out[out.index("Run report") :]
         rows = [line for line in table.splitlines() if line.startswith("│")]
         assert len(rows) == 2 and all(" 8 " in row for row in rows), table  # 8 steps on each device
-        assert "epoch 0 | train loss" in result.stderr + out
+        epoch = re.search(r"epoch 0 \| train loss .* \| ([\d,]+) img/s", result.stderr + out)
+        assert epoch, out[-2000:]
+        per_device = sum(float(row.split("│")[5].replace(",", "")) for row in rows)
+        assert per_device == pytest.approx(float(epoch[1].replace(",", "")), rel=0.25), (strategy, table)
 
 
 # ------------------------------------------------------------------------------------------------ ModelCheckpoint

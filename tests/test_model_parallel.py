@@ -122,9 +122,11 @@ def test_a_pipeline_run_stopped_mid_epoch_resumes_exactly_under_ddp(fsdp_unbroke
     root = tmp_path / "runs"
     stop = {"class_path": "tests.signal_at_step.SignalAtStep", "init_args": {"step": 3, "rank": 1}}
     output = fit(root, tmp_path, "--trainer.strategy=pipeline", "--trainer.devices=2",
+                 "--trainer.enable_model_summary=true",  # Lightning's default: it cannot run the cut network
                  "--trainer.callbacks+=" + json.dumps(stop))  # fmt: skip
     stopped = re.search(r"SIGTERM: stopped after step (\d+) \(epoch 0\)", output)
     assert stopped and 3 <= int(stopped[1]) < 8, output[-3000:]
+    assert "Total params" in output  # the summary, its sizes left out
     checkpoint = last(root, 0)
     expected = fsdp_unbroken["checkpoint"]
     assert {k: v.shape for k, v in checkpoint["state_dict"].items()} == {
@@ -135,6 +137,18 @@ def test_a_pipeline_run_stopped_mid_epoch_resumes_exactly_under_ddp(fsdp_unbroke
     resumed = last(root, 1)
     assert resumed["global_step"] == expected["global_step"]
     assert relative_error(resumed, expected) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_fsdp_trains_batchnorm_in_bf16_mixed_precision(tmp_path):
+    """bf16 units, with BatchNorm's weights kept in float32 beside its float32 running statistics (batch_norm takes
+    no bfloat16 weights with them: every step failed before)."""
+    output = fit(tmp_path / "runs", tmp_path, "--trainer.strategy=fsdp", "--trainer.devices=2",
+                 "--trainer.precision=bf16-mixed", "--model.norm=batch", "--trainer.max_epochs=1")  # fmt: skip
+    assert "epoch 0 | train loss" in output, output[-3000:]
+    weights = last(tmp_path / "runs", 0)["state_dict"]
+    assert weights["net.norm1.weight"].dtype == weights["net.conv1.weight"].dtype == torch.float32
+    assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())
 
 
 # ------------------------------------------------------------------------------------------------ fsdp: bad input
@@ -252,9 +266,10 @@ def test_clipping_by_norm_is_refused_under_a_pipeline():
 
     strategy = PipelineStrategy()
     strategy._lightning_module = TinyClassifier()
-    trainer = type("T", (), {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"})()
-    with pytest.raises(UserError, match="clips by the gradients' norm, which under --trainer.strategy=pipeline"):
-        strategy.setup(trainer)
+    for algorithm in ("norm", None):  # (None: Lightning's default, by norm)
+        trainer = type("T", (), {"gradient_clip_val": 1.0, "gradient_clip_algorithm": algorithm})()
+        with pytest.raises(UserError, match="clips by the gradients' norm, which under --trainer.strategy=pipeline"):
+            strategy.setup(trainer)
 
 
 def test_callbacks_that_cannot_work_under_a_pipeline_are_one_line():

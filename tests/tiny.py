@@ -82,6 +82,7 @@ class TinyClassifier(LightningModule):
                 head=nn.Linear(width * SIZE * SIZE, classes),
             )
         )
+        self.example_input_array = torch.zeros(2, 1, SIZE, SIZE)  # what Lightning's model summary runs
         # the epoch's mean over all ranks' samples; a diverged run's NaN is StopOnNonFinite's to report, not a warning
         self.train_loss = MeanMetric(nan_strategy="ignore")
         self.train_acc = MulticlassAccuracy(classes, average="micro")

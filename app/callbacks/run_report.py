@@ -123,7 +123,8 @@ class RunReport(Callback):
         local = torch.tensor(
             [
                 [
-                    self._run["images"] / len(devices),
+                    # its share: a pipeline's stages all see each sample, so the column adds up to the epoch line's
+                    self._run["images"] / len(devices) / getattr(trainer.strategy, "stages", 1),
                     self._run["seconds"],
                     self._run["steps"],
                     peak,

@@ -41,6 +41,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed import default_pg_timeout
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from app.errors import UserError
 from app.task import match_modules, spec_of
@@ -114,7 +115,7 @@ class FSDPStrategy(DDPStrategy):
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
         if _is_sharded(model) or not (dist.is_available() and dist.is_initialized()):
             return model  # (trainer.test after trainer.fit: sharded already)
@@ -131,6 +132,14 @@ class FSDPStrategy(DDPStrategy):
         policy = self._mixed_precision(model)
         if policy is not None:
             options["mp_policy"] = policy
+        if policy is not None and policy.param_dtype not in (None, torch.float32):
+            # BatchNorm keeps float32 weights (its running statistics are float32 buffers, which FSDP does not cast,
+            # and batch_norm takes no bfloat16 weights with them); it normalises bfloat16 inputs as autocast does
+            keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=policy.reduce_dtype)
+            for name, norm in model.named_modules():
+                if isinstance(norm, _BatchNorm) and any(True for _ in norm.parameters()):
+                    fully_shard(norm, **{**options, "mp_policy": keep})
+                    self.units.append(name)
         targets = self.blocks or spec_of(model).blocks
         blocks = match_modules(model, targets) if targets else []
         if self.blocks and not blocks:

@@ -101,6 +101,7 @@ class PipelineStrategy(DDPStrategy):
         self._stages = stages or (len(balance) if balance else None)
         self.microbatches, self.schedule, self.balance = microbatches, schedule, balance
         self._pipeline: _Pipeline | None = None
+        self._example_input = None  # the module's example_input_array, put back after the run
 
     # ---------------------------------------------------------------- the layout: stages x replicas
     @property
@@ -155,7 +156,7 @@ class PipelineStrategy(DDPStrategy):
                 f"--trainer.strategy=pipeline runs the backward itself, so {type(self.lightning_module).__name__} "
                 "must use automatic optimization (no self.manual_backward)"
             )
-        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == "norm":
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm != "value":  # (None: by norm, too)
             raise UserError(
                 f"--trainer.gradient_clip_val={trainer.gradient_clip_val} clips by the gradients' norm, which under "
                 "--trainer.strategy=pipeline each stage would take over its own layers only; clip by value "
@@ -171,10 +172,14 @@ class PipelineStrategy(DDPStrategy):
     def _setup_model(self, model: nn.Module) -> nn.Module:
         if self._pipeline is None and dist.is_available() and dist.is_initialized():
             self._pipeline = _Pipeline(self, model)
+            # No process can run the cut network alone: Lightning's model summary then lists the layers without
+            # their input and output sizes (it runs the example input through the model on rank 0 only).
+            self._example_input, model.example_input_array = model.example_input_array, None
         return model
 
     def teardown(self) -> None:
         if self._pipeline is not None:
+            self.lightning_module.example_input_array = self._example_input
             # (a run cut short by an exception is "interrupted" by now; one that ends well is still "running")
             self._pipeline.restore_whole_model(finished=self.lightning_module.trainer.state.status != "interrupted")
             self._pipeline = None
@@ -264,7 +269,8 @@ class _Pipeline:
         counts = strategy.balance or balanced(layers, stages)
         if sum(counts) != len(layers) or len(counts) != stages:
             raise UserError(
-                f"--trainer.strategy.balance={counts}: {stages} stages holding all {len(layers)} layers, in order"
+                f"--trainer.strategy.balance={counts}: give {stages} numbers of layers (one per stage) that add up "
+                f"to the network's {len(layers)} layers"
             )
         start = sum(counts[: strategy.stage])
         self.layers = layers[start : start + counts[strategy.stage]]
