@@ -37,20 +37,20 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed import default_pg_timeout
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from app.errors import UserError
+from app.strategies.split import SplitModelStrategy
 from app.task import match_modules, spec_of
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 
 
-class FSDPStrategy(DDPStrategy):
+class FSDPStrategy(SplitModelStrategy):
     strategy_name = "fsdp"
+    float16_reason = "the sharded gradients here"
 
     def __init__(
         self,
@@ -80,14 +80,9 @@ class FSDPStrategy(DDPStrategy):
             timeout: The process group's timeout: a collective waiting longer for a lost peer fails.
         """
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend, timeout,
+        )  # fmt: skip
         for flag, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and dtype not in DType.__args__:
                 raise UserError(f"--trainer.strategy.{flag}={dtype}: use one of {', '.join(DType.__args__)}")
@@ -97,23 +92,7 @@ class FSDPStrategy(DDPStrategy):
         self.units: list[str] = []  # the sharded modules' paths, in the order they were wrapped
 
     # ---------------------------------------------------------------- shard the model
-    def _configure_launcher(self) -> None:  # Lightning calls it when the Trainer is made: before any launch
-        if str(self.precision_plugin.precision) == "16-mixed":
-            raise UserError(
-                "--trainer.strategy=fsdp with --trainer.precision=16-mixed: float16's loss scaling does not reach "
-                "the sharded gradients here; use bf16-mixed (the same speed on GPUs that have it) or 32-true"
-            )
-        super()._configure_launcher()
-
-    def setup(self, trainer) -> None:
-        super().setup(trainer)  # fitting: configure_ddp() shards the model before the optimizers are made
-        if trainer.state.fn != TrainerFn.FITTING:  # test / validate / predict: sharded too, the model may not fit
-            self.model = self._setup_model(self.model)
-
-    def configure_ddp(self) -> None:
-        self.model = self._setup_model(self.model)  # no DistributedDataParallel and no comm hooks: FSDP reduces
-
-    def _setup_model(self, model: nn.Module) -> nn.Module:
+    def split(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 

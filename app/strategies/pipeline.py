@@ -39,20 +39,20 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed import default_pg_timeout
 
 from app.errors import UserError
 from app.strategies.dp import batch_len, combine_outputs, split_batch
+from app.strategies.split import SplitModelStrategy
 from app.task import spec_of
 
 Schedule = Literal["gpipe", "1f1b"]
 
 
-class PipelineStrategy(DDPStrategy):
+class PipelineStrategy(SplitModelStrategy):
     strategy_name = "pipeline"
+    float16_reason = "the stages' backward here"
 
     def __init__(
         self,
@@ -80,14 +80,9 @@ class PipelineStrategy(DDPStrategy):
             timeout: The process group's timeout: a collective waiting longer for a lost peer fails.
         """
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend, timeout,
+        )  # fmt: skip
         if stages is not None and stages < 1:
             raise UserError(f"--trainer.strategy.stages={stages}: use a whole number >= 1")
         if microbatches < 1:
@@ -142,11 +137,6 @@ class PipelineStrategy(DDPStrategy):
                 f"--trainer.strategy.microbatches={self.microbatches}: the 1f1b schedule needs at least as many "
                 f"micro-batches as stages ({self.stages}); raise it or use --trainer.strategy.schedule=gpipe"
             )
-        if str(self.precision_plugin.precision) == "16-mixed":
-            raise UserError(
-                "--trainer.strategy=pipeline with --trainer.precision=16-mixed: float16's loss scaling does not reach "
-                "the stages' backward here; use bf16-mixed (the same speed on GPUs that have it) or 32-true"
-            )
         super()._configure_launcher()
 
     # ---------------------------------------------------------------- cut the network
@@ -162,14 +152,9 @@ class PipelineStrategy(DDPStrategy):
                 "--trainer.strategy=pipeline each stage would take over its own layers only; clip by value "
                 "(--trainer.gradient_clip_algorithm=value) or train without clipping"
             )
-        super().setup(trainer)  # fitting: configure_ddp() cuts the network before the optimizers are made
-        if trainer.state.fn != TrainerFn.FITTING:
-            self.model = self._setup_model(self.model)
+        super().setup(trainer)
 
-    def configure_ddp(self) -> None:
-        self.model = self._setup_model(self.model)  # no DistributedDataParallel: the stages' gradients are averaged
-
-    def _setup_model(self, model: nn.Module) -> nn.Module:
+    def split(self, model: nn.Module) -> nn.Module:
         if self._pipeline is None and dist.is_available() and dist.is_initialized():
             self._pipeline = _Pipeline(self, model)
             # No process can run the cut network alone: Lightning's model summary then lists the layers without
@@ -187,28 +172,22 @@ class PipelineStrategy(DDPStrategy):
 
     # ---------------------------------------------------------------- steps: through the pipeline
     def training_step(self, *args, **kwargs):
-        with self.precision_plugin.train_step_context():
-            if self._pipeline is None:
-                return self.lightning_module.training_step(*args, **kwargs)
-            return self._pipeline.run("training_step", args, kwargs, train=True)
+        return self._step("training_step", self.precision_plugin.train_step_context, args, kwargs)
 
     def validation_step(self, *args, **kwargs):
-        with self.precision_plugin.val_step_context():
-            if self._pipeline is None:
-                return self.lightning_module.validation_step(*args, **kwargs)
-            return self._pipeline.run("validation_step", args, kwargs, train=False)
+        return self._step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
     def test_step(self, *args, **kwargs):
-        with self.precision_plugin.test_step_context():
-            if self._pipeline is None:
-                return self.lightning_module.test_step(*args, **kwargs)
-            return self._pipeline.run("test_step", args, kwargs, train=False)
+        return self._step("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
     def predict_step(self, *args, **kwargs):
-        with self.precision_plugin.predict_step_context():
-            if self._pipeline is None:
-                return self.lightning_module.predict_step(*args, **kwargs)
-            return self._pipeline.run("predict_step", args, kwargs, train=False)
+        return self._step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _step(self, hook: str, context, args: tuple, kwargs: dict):
+        if self._pipeline is None:  # (before the process group: one process)
+            return getattr(super(), hook)(*args, **kwargs)
+        with context():
+            return self._pipeline.run(hook, args, kwargs, train=hook == "training_step")
 
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         """The schedule ran the backward inside the training step; here its gradients join the parameters' (after

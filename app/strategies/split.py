@@ -1,0 +1,59 @@
+"""What ``fsdp`` and ``pipeline`` share: launched and connected as ``ddp`` is (Lightning's launcher re-runs the
+script per rank, or torchrun/SLURM start them; one process group), but each rank holds only a part of the model,
+which the subclass splits in :meth:`SplitModelStrategy.split` instead of wrapping it in DistributedDataParallel,
+for training and for evaluation alike (a model that needs splitting to train needs it to test)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch.distributed import default_pg_timeout
+
+from app.errors import UserError
+
+
+class SplitModelStrategy(DDPStrategy):
+    float16_reason = ""  # why 16-mixed cannot work (GradScaler's loss scaling and this strategy's gradients)
+
+    def __init__(
+        self,
+        accelerator=None,
+        parallel_devices=None,
+        cluster_environment=None,
+        checkpoint_io=None,
+        precision_plugin=None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+
+    def _configure_launcher(self) -> None:  # Lightning calls it when the Trainer is made: before any launch
+        if str(self.precision_plugin.precision) == "16-mixed":
+            raise UserError(
+                f"--trainer.strategy={self.strategy_name} with --trainer.precision=16-mixed: float16's loss scaling "
+                f"does not reach {self.float16_reason}; use bf16-mixed (the same speed on GPUs that have it) or 32-true"
+            )
+        super()._configure_launcher()
+
+    def setup(self, trainer) -> None:
+        super().setup(trainer)  # fitting: configure_ddp() splits the model before the optimizers are made
+        if trainer.state.fn != TrainerFn.FITTING:  # test / validate / predict
+            self.model = self.split(self.model)
+
+    def configure_ddp(self) -> None:
+        self.model = self.split(self.model)  # no DistributedDataParallel, no communication hooks
+
+    def split(self, model: nn.Module) -> nn.Module:
+        """Give this rank its part of ``model`` (once; the process group exists). The subclass's job."""
+        raise NotImplementedError
