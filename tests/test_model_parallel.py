@@ -9,6 +9,7 @@ exact resume means equal weights up to summation order (relative error < 1e-10, 
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -293,3 +294,93 @@ def test_micro_batches_that_do_not_divide_the_batch_are_one_line(tmp_path):
         "(--data.batch_size=16 per device x 2 stages); give microbatches that divide 32, or a batch size that makes "
         "it a multiple of 3"
     ]
+
+
+# ------------------------------------------------------------------------------------------------ a fork's own task
+FORK_SCRIPT = """
+import sys
+
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from torch import nn
+
+from app.defaults import last_checkpoint, trainer_defaults
+from app.loader import make_loader
+from app.task import TaskSpec
+
+
+class Points(torch.utils.data.Dataset):  # dict samples: {"features": ..., "target": ...}
+    def __init__(self, count, seed):
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(count, 6, generator=g)
+        self.y = self.x @ torch.arange(6.0) / 6
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"features": self.x[i], "target": self.y[i]}
+
+
+class PointData(LightningDataModule):
+    def __init__(self):
+        super().__init__()
+        self.train_set, self.val_set = Points(96, 1), Points(32, 2)
+
+    def train_dataloader(self):
+        return make_loader(self.trainer, self.train_set, train=True, batch_size=8)
+
+    def val_dataloader(self):
+        return make_loader(self.trainer, self.val_set, train=False, batch_size=8)
+
+
+class Regressor(LightningModule):  # the network in "body": the pipeline's stages, fsdp's units
+    spec = TaskSpec(monitor="val_mse", mode="min", layers="body")
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x):
+        return self.body(x).squeeze(-1)
+
+    def training_step(self, batch, batch_idx):
+        loss = nn.functional.mse_loss(self(batch["features"]), batch["target"])
+        self.log("train_mse", loss, batch_size=len(batch["target"]))
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_mse", nn.functional.mse_loss(self(batch["features"]), batch["target"]),
+                 batch_size=len(batch["target"]))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+if __name__ == "__main__":
+    root, strategy, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model = Regressor()
+    trainer = Trainer(**trainer_defaults(model, root), strategy=strategy, devices=2, accelerator="cpu",
+                      max_epochs=epochs)
+    trainer.fit(model, PointData(), ckpt_path=last_checkpoint(root))
+"""
+
+
+@pytest.mark.slow
+def test_a_forks_own_task_from_its_own_script_trains_under_fsdp_and_resumes_under_pipeline(tmp_path):
+    """A model, data module and dict batches of a user's own, defined in the script that calls Trainer (the Python
+    API, as a fork's entry point would): one epoch under fsdp, the second resumed from its last.ckpt under pipeline
+    (its network named by spec.layers), the checkpoints ranked by the task's own metric."""
+    script = tmp_path / "train.py"
+    script.write_text(FORK_SCRIPT)
+    for strategy, epochs in (("fsdp", 1), ("pipeline", 2)):
+        result = subprocess.run(
+            [sys.executable, str(script), str(tmp_path / "runs"), strategy, str(epochs)], cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=240,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert f"epoch {epochs - 1} | train loss" in result.stdout and f"2 x cpu ({strategy})" in result.stdout
+    runs = tmp_path / "runs" / "lightning_logs"
+    last = torch.load(runs / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 2 * 96 // 16  # two epochs at the global batch of 2 x 8
+    assert any(p.name.startswith("epoch=1-val_mse=") for p in (runs / "version_1" / "checkpoints").iterdir())
