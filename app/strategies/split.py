@@ -5,6 +5,7 @@ for training and for evaluation alike (a model that needs splitting to train nee
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from datetime import timedelta
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -54,6 +55,6 @@ class SplitModelStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         self.model = self.split(self.model)  # no DistributedDataParallel, no communication hooks
 
+    @abstractmethod
     def split(self, model: nn.Module) -> nn.Module:
-        """Give this rank its part of ``model`` (once; the process group exists). The subclass's job."""
-        raise NotImplementedError
+        """Give this rank its part of ``model`` (once; the process group exists), and return the model to train."""
