@@ -448,6 +448,9 @@ def network_of(model: nn.Module) -> nn.Module:
     return model.get_submodule(holders[0])
 
 
+_FLATTEN = nn.Flatten(1)  # a ResNet's torch.flatten(x, 1) as a layer: stateless, so one serves every network
+
+
 def layers_of(net: nn.Module) -> list[nn.Module]:
     """The network's layers in the order its forward runs them (their composition is the forward)."""
     if hasattr(net, "pipeline_layers"):
@@ -457,10 +460,8 @@ def layers_of(net: nn.Module) -> list[nn.Module]:
     from torchvision.models import ResNet
 
     if isinstance(net, ResNet):
-        if not hasattr(net, "_pipeline_flatten"):  # kept, so that every call gives the same layers
-            net._pipeline_flatten = nn.Flatten(1)
         blocks = [block for stage in (net.layer1, net.layer2, net.layer3, net.layer4) for block in stage]
-        return [net.conv1, net.bn1, net.relu, net.maxpool, *blocks, net.avgpool, net._pipeline_flatten, net.fc]
+        return [net.conv1, net.bn1, net.relu, net.maxpool, *blocks, net.avgpool, _FLATTEN, net.fc]
     raise UserError(
         f"--trainer.strategy=pipeline: {type(net).__name__} is not an nn.Sequential, so its layers are unknown; give "
         "it a pipeline_layers() method that returns them in the order its forward runs them"
