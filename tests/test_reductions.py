@@ -172,6 +172,50 @@ def test_fusion_buckets_keep_order_size_and_dtype():
     assert fusion_buckets(tensors, max_bytes=2**20) == [[0, 1, 2], [3], [4]]
 
 
+def test_fusion_buckets_start_with_a_small_one():
+    tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(20)]
+    assert fusion_buckets(tensors, max_bytes=200, first_bytes=40) == [[0], [1, 2], [3]]
+    assert fusion_buckets(tensors, max_bytes=40, first_bytes=200) == [[0], [1], [2], [3]]  # never above max_bytes
+
+
+def test_the_default_buckets_start_the_first_allreduce_early_in_backward():
+    """ResNet-18's 44.7 MB of gradients fit one bucket of the old default (64 MiB): its allreduce started only once
+    backward was over, nothing overlapped. The default is now DDP's: 25 MiB buckets, the first of 1 MiB, so the
+    head's gradients go first and the rest of backward runs beside the allreduces (issue 35, item 10). Counted on a
+    real gloo group of one: how many gradients were ready when each bucket started."""
+    import torch.distributed as dist
+    import torchvision
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    from app.reductions import FUSION_MB, GradientAllreduce
+    from app.strategies.horovod import HorovodStrategy
+
+    assert HorovodStrategy().fusion_mb == FUSION_MB == 25
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_network_port()}", rank=0, world_size=1)
+    try:
+        net = torchvision.models.resnet18(num_classes=10)
+        params = list(net.parameters())
+
+        def ready_at_each_start(sync: GradientAllreduce) -> list[int]:
+            ready: list[int] = []
+            start = sync._start
+            sync._start = lambda bucket: (ready.append(sum(b.ready for b in sync.buckets)), start(bucket))
+            net(torch.randn(2, 3, 32, 32)).sum().backward()
+            sync.synchronize()
+            sync.remove()
+            return ready
+
+        default = ready_at_each_start(GradientAllreduce(params, "mpi", world_size=1))
+        assert len(default) == 3 and default[0] <= 4 and default[1] < len(params)  # fc, then layer4, then the rest
+        old = ready_at_each_start(GradientAllreduce(params, "mpi", 1, fusion_bytes=64 * 2**20, first_bucket_bytes=None))
+        assert old == [len(params)]  # one bucket, started after the last gradient
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
 def test_adasum_needs_a_power_of_two_number_of_ranks():
     from lightning.pytorch import Trainer
 

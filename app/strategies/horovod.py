@@ -44,8 +44,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from app.errors import UserError
-from app.launcher import launcher_ranks
-from app.reductions import WIRE_DTYPES, AdasumDelta, Compression, GradientAllreduce, ReduceOp, is_power_of_two
+from app.launcher import launcher_ranks, one_gpu_per_rank
+from app.reductions import (
+    FUSION_MB,
+    WIRE_DTYPES,
+    AdasumDelta,
+    Compression,
+    GradientAllreduce,
+    ReduceOp,
+    is_power_of_two,
+)
 from app.strategies.launch import MPILaunchEnvironment, MPIRunLauncher
 
 Backend = Literal["auto", "horovod", "mpi"]
@@ -68,7 +76,7 @@ class HorovodStrategy(ParallelStrategy):
         compression: Compression = "none",
         op: ReduceOp = "average",
         gradient_predivide_factor: float = 1.0,
-        fusion_mb: float = 64.0,
+        fusion_mb: float = FUSION_MB,
         timeout: float = 1800.0,
         max_restarts: int = 0,
         accelerator=None,
@@ -84,7 +92,8 @@ class HorovodStrategy(ParallelStrategy):
                 optimizer steps (needs a power-of-two number of ranks).
             gradient_predivide_factor: Divide gradients by this before the sum, and by size/this after.
             fusion_mb: Gradients are allreduced in buckets of up to this many MiB (Horovod's Tensor Fusion,
-                HOROVOD_FUSION_THRESHOLD); 0 sends every gradient on its own.
+                HOROVOD_FUSION_THRESHOLD), the first of at most 1 MiB, as DDP's (25 MiB: a bucket's allreduce
+                overlaps the rest of backward); 0 sends every gradient on its own.
             timeout: Seconds a collective may wait for the other ranks before the run fails.
             max_restarts: When this strategy starts its ranks itself (``--trainer.devices=N``, no mpirun around
                 it): after a rank fails, restart up to this many times on the ranks that survived, from the state
@@ -158,7 +167,8 @@ class HorovodStrategy(ParallelStrategy):
     @property
     def root_device(self) -> torch.device:
         devices = self.parallel_devices or [torch.device("cpu")]
-        return devices[self.local_rank] if devices[0].type != "cpu" else devices[0]
+        # one device per process of the node; a rank given a GPU of its own (one_gpu_per_rank) has just that one
+        return devices[self.local_rank] if len(devices) > 1 and devices[0].type != "cpu" else devices[0]
 
     @property
     def is_distributed(self) -> bool:
@@ -195,10 +205,19 @@ class HorovodStrategy(ParallelStrategy):
             )
         world, _, _, local_size = ranks
         on_cpu = self.parallel_devices is None or self.parallel_devices[0].type == "cpu"
-        if not (self.num_processes == local_size or (on_cpu and self.num_processes == 1)):
+        own_gpu = not on_cpu and self.num_processes == 1 and one_gpu_per_rank()
+        if not (self.num_processes == local_size or (on_cpu and self.num_processes == 1) or own_gpu):
+            hint = (
+                ""
+                if on_cpu or self.num_processes != 1
+                else (
+                    "; --trainer.devices=1 is for a rank given a GPU of its own, alone in its CUDA_VISIBLE_DEVICES "
+                    "(srun --gpus-per-task=1)"
+                )
+            )
             raise UserError(
                 f"mpirun started {local_size} processes per node, but --trainer.devices={self.num_processes}: "
-                f"pass --trainer.devices={local_size} (one device per process)"
+                f"pass --trainer.devices={local_size} (one device per process){hint}"
             )
         if self.num_nodes * local_size != world:
             raise UserError(
