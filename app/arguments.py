@@ -250,6 +250,26 @@ def strategy_options_by_name(argv: list[str]) -> list[str]:
     return argv
 
 
+def strategy_class(strategy) -> type | None:
+    """The class a ``--trainer.strategy`` value names (a registered name, or a class path with its init_args), or
+    None for ``auto`` and what names no class."""
+    from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+    if isinstance(strategy, Strategy):
+        return type(strategy)
+    if isinstance(strategy, str):
+        return StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
+    class_path = getattr(strategy, "class_path", None) or (
+        strategy.get("class_path") if isinstance(strategy, dict) else None
+    )
+    if not class_path:
+        return None
+    try:
+        return import_class(class_path)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
 def _yaml_value(value: str | int | float | bool) -> str:
     return str(value).lower() if isinstance(value, bool) else str(value)
 

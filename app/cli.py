@@ -21,7 +21,14 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 
 import app  # noqa: F401  (registers the dp and horovod strategies)
-from app.arguments import Parser, check_config_files, check_timeout, strategy_options_by_name, timeout_in_seconds
+from app.arguments import (
+    Parser,
+    check_config_files,
+    check_timeout,
+    strategy_class,
+    strategy_options_by_name,
+    timeout_in_seconds,
+)
 from app.callbacks import RankWatchdog
 from app.callbacks.elastic import ElasticRunFolder
 from app.checkpoint_io import SafeCheckpointIO
@@ -40,13 +47,14 @@ from app.elastic import (
     take_launcher_numbers,
 )
 from app.errors import UserError
-from app.launcher import first_on_node, is_first_process, launcher_ranks, torchrun_job
+from app.launcher import first_on_node, is_first_process, launcher_ranks, one_gpu_per_rank, torchrun_job
 from app.quiet import HeldRecords
 from app.resume import (
     CkptPathRule,
     check_loggerless_root,
 )
 from app.run_dir import check_writable, claim_versions, release_if_unused
+from app.strategies.horovod import HorovodStrategy
 from app.task import spec_of
 
 # The task a run trains when the command line names no class (``--model=pkg.Class``, ``--data=pkg.Class`` or a YAML
@@ -187,7 +195,9 @@ class CLI(CkptPathRule, LightningCLI):
         if job is not None:
             take_launcher_numbers(config.trainer, job, devices_given, continuing=bool(continued))
         mpi = launcher_ranks()
-        if mpi is not None and not devices_given:
+        if mpi is not None and _rank_has_own_gpu(config.trainer, mpi[3], devices_given):
+            config.trainer.devices = 1  # the one GPU this rank sees
+        elif mpi is not None and not devices_given:
             config.trainer.devices = mpi[3]
         if not config.trainer.get("fast_dev_run"):  # (fast_dev_run logs nothing: Lightning swaps the loggers out)
             self._claimed = claim_versions(loggers, continued)  # version_N made now: no other run can take it
@@ -232,6 +242,20 @@ class CLI(CkptPathRule, LightningCLI):
         self.model.optimizer_overrides = self._optimizer_overrides
 
     before_validate = before_test = before_predict = before_fit
+
+
+def _rank_has_own_gpu(trainer_config, per_node: int, devices_given: bool) -> bool:
+    """Under mpirun with a GPU bound to each rank (:func:`app.launcher.one_gpu_per_rank`), the horovod strategy
+    trains each rank on the one GPU it sees: ``--trainer.devices`` (the processes per node, or not given) becomes 1
+    in this process, since Lightning checks it against the GPUs visible here."""
+    cls = strategy_class(trainer_config.strategy)
+    return (
+        cls is not None
+        and issubclass(cls, HorovodStrategy)
+        and str(trainer_config.accelerator) in ("auto", "gpu", "cuda")
+        and (not devices_given or str(trainer_config.devices) == str(per_node))
+        and one_gpu_per_rank()
+    )
 
 
 # Subcommands that are not Lightning's: they take their own flags (``python cli.py plot --help``).

@@ -31,6 +31,19 @@ def launcher_ranks() -> tuple[int, int, int, int] | None:
     return None
 
 
+def one_gpu_per_rank() -> bool:
+    """Whether this MPI rank, one of several on its node, was given a GPU of its own: it sees exactly one, named in
+    ``CUDA_VISIBLE_DEVICES`` (SLURM's ``--gpus-per-task`` / ``--gpu-bind``, wrappers that bind one GPU per rank).
+    Its device is then its one visible GPU, not the node's GPU number ``local rank``."""
+    ranks = launcher_ranks()
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if ranks is None or ranks[3] < 2 or len(visible) != 1:
+        return False
+    import torch
+
+    return torch.cuda.device_count() == 1
+
+
 def slurm_tasks_per_node() -> int | None:
     """The tasks SLURM starts on this node (``SLURM_NTASKS_PER_NODE``, or ``SLURM_STEP_TASKS_PER_NODE`` /
     ``SLURM_TASKS_PER_NODE`` such as ``4(x2)`` or ``4,3``, read for this node's ``SLURM_NODEID``), or None."""

@@ -1,11 +1,21 @@
-"""On a CUDA device: the machinery's CUDA paths (dp's replicas under autocast, Adasum's fixed summation order).
+"""On a CUDA device: the machinery's CUDA paths (dp's replicas under autocast, Adasum's fixed summation order, horovod
+ranks each bound to a GPU of their own).
 
 Skipped where there is no CUDA device (this project's CI machine). The example task's fast recipe on a GPU:
 tests/fashion_mnist/test_gpu_recipe.py.
 """
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+from tests.conftest import ROOT, TINY_CONFIG
+from tests.parity import MPI_ENV
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -41,3 +51,22 @@ def test_adasum_on_cuda_is_the_same_every_time_and_for_both_partners():
     segment = segment_index(sizes, a.device)
     first = adasum(a, b, sizes, segment)
     assert all(torch.equal(adasum(a, b, sizes, segment), first) for _ in range(20))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices (one for each rank)")
+def test_horovod_ranks_each_given_a_gpu_of_their_own_train_on_it(tmp_path):
+    """mpirun with each rank's CUDA_VISIBLE_DEVICES set to one GPU, as SLURM's --gpus-per-task=1 sets it: every
+    rank sees one GPU and trains on it (no setting ran before: issue 35, item 7). cli.py from another folder."""
+    bind = f"CUDA_VISIBLE_DEVICES=$OMPI_COMM_WORLD_LOCAL_RANK exec {sys.executable} {ROOT / 'cli.py'} fit"
+    flags = (
+        f"--config {TINY_CONFIG} --trainer.accelerator=gpu --trainer.strategy=horovod --trainer.max_epochs=1 "
+        f"--trainer.default_root_dir={tmp_path / 'runs'}"
+    )
+    mpirun = Path(sys.executable).parent / "mpirun"
+    result = subprocess.run(
+        [str(mpirun), "-np", "2", "--oversubscribe", "sh", "-c", f"{bind} {flags}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, **MPI_ENV},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.search(r"horovod strategy: backend=\w+, 2 ranks", result.stdout + result.stderr)
+    assert (tmp_path / "runs" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()

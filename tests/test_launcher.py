@@ -1,8 +1,14 @@
 """app/launcher.py reads every launcher's variables (one place), and the self-launch's mpirun leaves ranks unbound."""
 
 import pytest
+import torch
+from jsonargparse import Namespace
+from lightning.pytorch.utilities import rank_zero_only
 
-from app.launcher import first_on_node, launcher_ranks, slurm_tasks_per_node
+from app.cli import _rank_has_own_gpu
+from app.errors import UserError
+from app.launcher import first_on_node, launcher_ranks, one_gpu_per_rank, slurm_tasks_per_node
+from app.strategies.horovod import HorovodStrategy
 from app.strategies.launch import mpirun_command
 from tests.conftest import ROOT
 
@@ -10,7 +16,7 @@ LAUNCH_VARS = (
     "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
     "HOROVOD_SIZE", "HOROVOD_RANK", "PMI_SIZE", "PMI_RANK", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "PMIX_SIZE",
     "PMIX_RANK", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE",
-    "SLURM_NODEID", "LOCAL_RANK",
+    "SLURM_NODEID", "LOCAL_RANK", "CUDA_VISIBLE_DEVICES",
 )  # fmt: skip
 
 
@@ -86,3 +92,58 @@ def test_the_reaper_ends_the_ranks_and_removes_the_launch_folder_once_the_launch
     finally:
         for process in (rank, other):
             process.kill()
+
+
+@pytest.fixture
+def rank_5_of_8_on_two_nodes(clean_env):
+    """Open MPI's rank 5 of 8, local rank 1 of 4 per node (the rank rank_zero_only remembers is put back after)."""
+    for name, value in zip(LAUNCH_VARS[:4], ("8", "5", "1", "4"), strict=True):
+        clean_env.setenv(name, value)
+    clean_env.setattr(rank_zero_only, "rank", rank_zero_only.rank)
+    return clean_env
+
+
+def _horovod_on(devices: list[torch.device]) -> HorovodStrategy:
+    strategy = HorovodStrategy(parallel_devices=devices)
+    strategy.num_nodes = 2
+    strategy._configure_launcher()  # what the Trainer calls: the launch is checked
+    return strategy
+
+
+def _trainer_config(**given) -> Namespace:
+    """The ``trainer`` part of cli.py's config: horovod, accelerator auto, 4 devices, unless given otherwise."""
+    return Namespace(**{"strategy": "horovod", "accelerator": "auto", "devices": 4, **given})
+
+
+def test_a_rank_given_a_gpu_of_its_own_trains_on_it(rank_5_of_8_on_two_nodes):
+    """SLURM's --gpus-per-task=1 (or a wrapper that sets CUDA_VISIBLE_DEVICES per rank): every rank sees one GPU,
+    its cuda:0. The horovod strategy accepted only --trainer.devices equal to the processes per node (4, which
+    Lightning refuses with one GPU visible) and took devices[local rank]: no setting ran (issue 35, item 7). Now
+    such a rank trains on its one GPU, and cli.py asks Lightning for that one. (The GPU count is mocked: this
+    machine has none; tests/test_gpu.py runs it where two GPUs are.)"""
+    env = rank_5_of_8_on_two_nodes
+    env.setenv("CUDA_VISIBLE_DEVICES", "6")
+    env.setattr(torch.cuda, "device_count", lambda: 1)
+    assert one_gpu_per_rank()
+    assert _horovod_on([torch.device("cuda", 0)]).root_device == torch.device("cuda", 0)
+    # --trainer.devices as the user gives it (the processes per node, or nothing) becomes this rank's one GPU
+    assert _rank_has_own_gpu(_trainer_config(devices=4), per_node=4, devices_given=True)
+    assert _rank_has_own_gpu(_trainer_config(devices="auto"), per_node=4, devices_given=False)
+    assert not _rank_has_own_gpu(_trainer_config(devices=2), per_node=4, devices_given=True)  # said otherwise
+    assert not _rank_has_own_gpu(_trainer_config(accelerator="cpu"), per_node=4, devices_given=True)
+    assert not _rank_has_own_gpu(_trainer_config(strategy="ddp"), per_node=4, devices_given=True)
+
+
+def test_ranks_that_share_the_gpus_of_their_node_still_take_one_each(rank_5_of_8_on_two_nodes):
+    """No binding: each rank sees the node's 4 GPUs and takes the one of its local rank; --trainer.devices=1 there
+    (every rank on one GPU) is refused, naming what it is for."""
+    env = rank_5_of_8_on_two_nodes
+    env.setattr(torch.cuda, "device_count", lambda: 4)
+    assert not one_gpu_per_rank()
+    assert _horovod_on([torch.device("cuda", i) for i in range(4)]).root_device == torch.device("cuda", 1)
+    with pytest.raises(UserError, match=r"pass --trainer.devices=4 .*--trainer.devices=1 is for a rank given a GPU"):
+        _horovod_on([torch.device("cuda", 0)])
+    env.setattr(torch.cuda, "device_count", lambda: 1)  # one GPU on the node, and no binding: shared, refused
+    with pytest.raises(UserError, match="CUDA_VISIBLE_DEVICES"):
+        _horovod_on([torch.device("cuda", 0)])
+    assert not _rank_has_own_gpu(_trainer_config(devices=4), per_node=4, devices_given=True)

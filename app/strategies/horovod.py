@@ -6,6 +6,9 @@ Launch it the way Horovod users do, one process per device::
     mpirun -np 4 python cli.py fit --trainer.strategy=horovod --trainer.devices=4
     python cli.py fit --trainer.strategy=horovod --trainer.devices=4      # starts mpirun -np 4 itself
 
+Each rank takes the GPU of its local rank, or, when the launcher bound one GPU to each rank (``srun
+--gpus-per-task=1``: it is alone in the rank's ``CUDA_VISIBLE_DEVICES``), that one.
+
 Backends (``--trainer.strategy.backend``, or ``HorovodStrategy(backend=...)``):
 
 - ``mpi`` (default when the ``horovod`` package is not importable): ranks from MPI, and a ``torch.distributed``
