@@ -69,7 +69,7 @@ def test_validate_without_ckpt_path_says_the_network_is_untrained(workdir, caplo
 @pytest.mark.parametrize(
     ("flags", "want"),
     [
-        (["--trainer.strategy=horovod", "--trainer.strategy.op=adasum"], {"op": "adasum", "fusion_mb": 64.0}),
+        (["--trainer.strategy=horovod", "--trainer.strategy.op=adasum"], {"op": "adasum", "fusion_mb": 25.0}),
         # a registered name with preset options keeps them; the user's own options come after and win
         (
             ["--trainer.strategy", "ddp_find_unused_parameters_true", "--trainer.strategy.timeout=0:10:00"],
