@@ -93,8 +93,9 @@ class ImageClassifier(LightningModule):
                 --model.lr_scheduler.T_max=10``. ReduceLROnPlateau watches ``val/acc``.
             lr_scheduler_interval: Step the scheduler every ``epoch`` or every optimizer ``step``.
             channels_last: Keep weights and activations in NHWC layout (faster convolutions with bf16/fp16 on GPUs).
-            compile: ``torch.compile`` the network (in place: parameter names and checkpoints are unchanged).
-                The first steps are slow while it compiles. Not with ``dp``, whose replicas are rebuilt every step.
+            compile: ``torch.compile`` the network (in place: parameter names and checkpoints are unchanged),
+                for fixed shapes: each batch size (an epoch's last, smaller batch too) compiles once. The first
+                steps are slow while it compiles. Not with ``dp``, whose replicas are rebuilt every step.
             compile_mode: ``torch.compile``'s mode.
         """
         super().__init__()
@@ -130,7 +131,10 @@ class ImageClassifier(LightningModule):
         if self.hparams.get("compile") and not getattr(self, "_compiled", False):
             if isinstance(self.trainer.strategy, DataParallelStrategy):
                 raise UserError("--model.compile=true does not work with --trainer.strategy=dp; use ddp or one device")
-            self.net.compile(mode=self.hparams.compile_mode)
+            # Shapes fixed (dynamic=False): an epoch's last, smaller batch gets a graph of its own. Dynamo's
+            # default would compile that second batch size as a symbolic one and then run every later step
+            # through the symbolic graph (slower kernels, no CUDA graphs).
+            self.net.compile(mode=self.hparams.compile_mode, dynamic=False)
             self._compiled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

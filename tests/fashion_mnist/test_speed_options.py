@@ -12,6 +12,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
 
 from app.callbacks import ProgressBar
 from app.defaults import DEFAULT_CALLBACKS
@@ -45,6 +46,49 @@ def test_compile_keeps_parameter_names_and_refuses_dp():
     dp.trainer = Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False)
     with pytest.raises(UserError, match="--model.compile=true does not work with --trainer.strategy=dp"):
         dp.configure_model()
+
+
+def _symbolic(graph: torch.fx.GraphModule) -> bool:
+    """Whether Dynamo compiled this graph for symbolic sizes (a SymInt input, or a tensor of a symbolic shape)."""
+    for node in graph.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("example_value")
+        if isinstance(value, torch.SymInt) or (
+            isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape)
+        ):
+            return True
+    return False
+
+
+def test_compiled_shapes_stay_fixed_when_an_epoch_ends_on_a_smaller_batch(tmp_path, monkeypatch):
+    """--model.compile=true: an epoch's last, smaller batch (55000 % 256 = 216 on the real data) made Dynamo compile
+    the network again for a symbolic batch size, and that graph then ran every later step. Now each batch size has
+    a graph of fixed shapes, compiled once: two epochs of batches 16, 16, 8 and validation's 16, 8 compile four
+    graphs (training and evaluation at each size), none symbolic (issue 35, item 12). Dynamo hands its graphs to a
+    recorder here (inductor would need a C compiler and minutes)."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def recorder(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    compile_ = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, **{**kw, "backend": recorder}))
+    torch._dynamo.reset()
+    model = ImageClassifier(arch="resnet_tiny", compile=True)
+    images = torch.randn(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(1))
+    train = DataLoader(TensorDataset(images[:40], labels[:40]), batch_size=16)  # 16, 16, 8
+    val = DataLoader(TensorDataset(images[40:], labels[40:]), batch_size=16)  # 16, 8
+    trainer = Trainer(
+        accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    try:
+        trainer.fit(model, train, val)
+    finally:
+        torch._dynamo.reset()
+    assert trainer.global_step == 6
+    assert [_symbolic(graph) for graph in graphs] == [False] * 4
 
 
 def test_flop_count_of_d2l_resnet18_matches_the_paper_figure():
