@@ -11,6 +11,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from app.callbacks import ProgressBar
 from tests.conftest import CPU_TEST_CONFIG
 from tests.fashion_mnist.conftest import run_cli
 
@@ -18,7 +19,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 
 class NoSyncInSteps(Callback):
-    """Every CUDA synchronisation from the start of batch 2 to the start of the second-to-last batch raises."""
+    """Every CUDA synchronisation from the start of batch 2 to the start of the second-to-last batch raises, but the
+    progress bar's one read per redraw (at most every 0.5 s, by design: docs/benchmarks.md). The bar stays on, so
+    that its work at every step is checked; its redraws come at times, not steps, and made the test flaky."""
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        for bar in trainer.callbacks:
+            if isinstance(bar, ProgressBar):
+                bar.get_metrics = _sync_allowed(bar.get_metrics)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         inside = 2 <= batch_idx < trainer.num_training_batches - 2
@@ -26,6 +34,18 @@ class NoSyncInSteps(Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def _sync_allowed(read):
+    def allowed(*args, **kwargs):
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return read(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
+    return allowed
 
 
 def _fit(data_dir, *args: str) -> list[dict]:
