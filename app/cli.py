@@ -53,7 +53,7 @@ from app.resume import (
     CkptPathRule,
     check_loggerless_root,
 )
-from app.run_dir import check_writable, claim_versions, release_if_unused
+from app.run_dir import check_writable, claim_versions, release_if_unused, release_made_folders
 from app.strategies.horovod import HorovodStrategy
 from app.task import spec_of
 
@@ -87,6 +87,7 @@ class CLI(CkptPathRule, LightningCLI):
         except BaseException as err:
             if getattr(getattr(self, "trainer", None), "global_step", 0) == 0:
                 release_if_unused(self._claimed)  # a run that failed before doing anything leaves no folder
+                release_made_folders()  # nor the --trainer.default_root_dir it made
             if self._seed_line is not None:
                 self._seed_line.drop()
             latest = UserError.latest

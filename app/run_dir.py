@@ -112,19 +112,33 @@ def claim(root: Path) -> int:
         raise UserError(f"{root}: cannot create the run folder ({err.strerror or err}); {hint}") from None
 
 
+_made: list[Path] = []  # the top folder check_writable made for this run: gone again if the run writes nothing
+
+
 def check_writable(folder: Path) -> None:
     """The run's output folder exists (made if needed) and takes a file, or one line naming it."""
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--trainer.default_root_dir={folder}: is a file; pass a folder")
+    missing = [path for path in (folder, *folder.parents) if not path.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        _made[:] = missing[-1:]  # this run's only
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as err:
         raise UserError(
             f"--trainer.default_root_dir={folder}: cannot write there ({err.strerror or err}); pass a writable folder"
         ) from None
+
+
+def release_made_folders() -> None:
+    """Remove the folders :func:`check_writable` made, when the run failed before writing a file into them (a bad
+    --data or --model value is found after the root folder was checked)."""
+    while _made:
+        top = _made.pop()
+        if top.is_dir() and not any(path.is_file() or path.is_symlink() for path in top.rglob("*")):
+            shutil.rmtree(top, ignore_errors=True)
 
 
 def release_if_unused(folders: list[Path]) -> None:

@@ -618,6 +618,23 @@ def test_a_checkpoint_damaged_inside_is_refused_naming_the_file(tmp_path):
     assert load_checkpoint(tmp_path / "edited.ckpt")["epoch"] == 3
 
 
+def test_bad_input_found_after_a_new_root_folder_was_made_leaves_no_folder(tmp_path, monkeypatch, capsys):
+    """A new --trainer.default_root_dir is made when it is checked, before the model, the data and the loop check
+    their values; a bad value found there left the folder behind, empty (a newcomer's run). It goes again; a folder
+    that was there before stays."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "kept").mkdir()
+    for root in ("runs/new", "kept"):
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(
+                "fit", "--config", str(TINY_CONFIG), f"--trainer.default_root_dir={root}",
+                "--trainer.val_check_interval=50.0",  # more batches than an epoch has: found when fit starts
+            )  # fmt: skip
+        assert exit_info.value.code == 2
+        assert "--trainer.val_check_interval=50.0" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())
+
+
 def test_resuming_from_a_damaged_last_ckpt_is_one_line_and_changes_nothing(bad_input_dir, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(bad_input_dir / "lightning_logs", run / "lightning_logs")
