@@ -196,6 +196,10 @@ def check_config_files(argv: list[str]) -> None:
     paths += [a.split("=", 1)[1] for a in argv if a.startswith(("--config=", "-c="))]
     Parser.config_files = {}
     for path in map(Path, paths):
+        if not path.exists() and _names_a_file(str(path)):
+            raise UserError(f"--config {path}: no such file; check the path (the presets are in configs/)")
+        if path.is_dir():
+            raise UserError(f"--config {path}: is a folder; pass a YAML file")
         if path.is_file():
             try:
                 Parser.config_files[path] = yaml.safe_load(path.read_text())
@@ -204,6 +208,15 @@ def check_config_files(argv: list[str]) -> None:
                 where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
                 problem = getattr(err, "problem", None) or str(err).splitlines()[0]
                 raise UserError(f"{path}: not valid YAML ({where.strip()} {problem}); fix the file") from None
+
+
+def _names_a_file(value: str) -> bool:
+    """Whether a ``--config`` value is meant as a file's path: jsonargparse also takes the YAML itself in its place
+    (``--config '{trainer: {max_epochs: 1}}'``)."""
+    try:
+        return not isinstance(yaml.safe_load(value), dict)
+    except yaml.YAMLError:
+        return True
 
 
 def has_key(data: object, dotted: str) -> bool:

@@ -26,8 +26,8 @@ def check_strategy_name(strategy) -> None:
         return
     names = sorted(StrategyRegistry.available_strategies())
     if strategy not in names:
-        close = difflib.get_close_matches(strategy, names, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
+        close = difflib.get_close_matches(strategy, names, n=3)
+        hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
         raise UserError(f"--trainer.strategy={strategy!r} is not a strategy.{hint} Available: auto, {', '.join(names)}")
     if strategy in ("dp", "ddp_spawn") and mpi_world_size() > 1:
         raise UserError(

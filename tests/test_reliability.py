@@ -501,7 +501,9 @@ BAD_INPUT = {
         ["--trainer.accelerator=cuda", f"--trainer.devices={torch.cuda.device_count() + 1}"],
         "--trainer.accelerator=cuda",
     ),
-    "unknown strategy": (["--trainer.strategy=dpp"], "--trainer.strategy='dpp'"),
+    "unknown strategy": (["--trainer.strategy=dpp"], ("--trainer.strategy='dpp'", "Did you mean 'dp' or 'ddp'")),
+    "missing config file": (["--config=nothere.yaml"], "--config nothere.yaml: no such file"),
+    "config is a folder": (["--config=blocked"], "--config blocked: is a folder"),
     "unknown key": (["--trainer.max_epoch=3"], "--trainer.max_epoch"),
     "YAML key typo": (
         ["--config=typo.yaml"],
