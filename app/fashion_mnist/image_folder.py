@@ -6,6 +6,7 @@ files, so they are decoded, made grayscale, resized to 28x28 and, where needed, 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -33,7 +34,8 @@ def load_image_folder(folder: str | Path, invert: Invert = "auto") -> tuple[torc
         try:
             image = decode_image(str(path), mode=ImageReadMode.GRAY)  # [1, H, W], uint8 (uint16 for 16-bit PNGs)
         except RuntimeError as err:
-            raise UserError(f"{path}: not a readable image ({err}); remove it from --data.predict_dir") from None
+            reason = re.sub(r"^\w+, \S+:\d+, ", "", str(err))  # without torchvision's "function, file.cpp:61, "
+            raise UserError(f"{path}: not a readable image ({reason}); remove it from --data.predict_dir") from None
         image = to_dtype(image, torch.uint8, scale=True)
         image = resize(image, [28, 28], antialias=True)[0]
         if invert == "always" or (invert == "auto" and _border_is_lighter(image)):

@@ -247,6 +247,19 @@ def test_predict_on_the_test_set_writes_true_labels(run_dir, data_dir, workdir):
     assert all(0 <= int(r["label"]) < 10 for r in rows)
 
 
+def test_a_file_in_predict_dir_that_is_no_image_is_one_line_naming_it(tmp_path):
+    """torchvision's own message starts with its C++ source path (/__w/vision/.../decode_image.cpp:61): left out."""
+    from app.errors import UserError
+    from app.fashion_mnist.image_folder import load_image_folder
+
+    (tmp_path / "notes.png").write_text("not an image")
+    with pytest.raises(UserError) as error:
+        load_image_folder(tmp_path)
+    message = str(error.value)
+    assert message.startswith(f"{tmp_path / 'notes.png'}: not a readable image (Unsupported image file.")
+    assert ".cpp" not in message and message.endswith("remove it from --data.predict_dir")
+
+
 def test_predict_dir_that_does_not_exist_is_one_line(workdir, data_dir, capsys):
     code, err = exit_code_and_stderr(
         capsys,
