@@ -91,7 +91,10 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
         example = inside[-1] if inside else path / "checkpoints" / "last.ckpt"
         raise UserError(f"{path}: is a folder; pass a checkpoint file such as {example}")
     if not path.is_file():
-        raise UserError(f"{path}: no such checkpoint file; pass --ckpt_path lightning_logs/version_N/checkpoints/...")
+        raise UserError(
+            f"{path}: no such checkpoint file; pass an existing one (a run's checkpoints are in "
+            "<default_root_dir>/lightning_logs/version_N/checkpoints/), or --ckpt_path last for the newest run's"
+        )
     if path.stat().st_size == 0:
         raise UserError(f"{path}: an empty file (0 bytes), not a checkpoint; pass another --ckpt_path")
     with path.open("rb") as f:

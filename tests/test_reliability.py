@@ -510,7 +510,10 @@ BAD_INPUT = {
         ("error: typo.yaml: ", "'trainer.max_epoch' (did you mean trainer.max_epochs?)"),
     ),
     "YAML syntax": (["--config=broken.yaml"], "broken.yaml: not valid YAML (line 3"),
-    "missing checkpoint": (["--ckpt_path=nothere.ckpt"], "nothere.ckpt: no such checkpoint file"),
+    "missing checkpoint": (
+        ["--ckpt_path=nothere.ckpt"],
+        ("nothere.ckpt: no such checkpoint file", "<default_root_dir>"),
+    ),
     "truncated checkpoint": (["--ckpt_path=truncated.ckpt"], "truncated.ckpt: not a loadable checkpoint"),
     "pickled object in checkpoint": (["--ckpt_path=pickled.ckpt"], "pickled.ckpt: refused: it holds pickled"),
     "text file as checkpoint": (["--ckpt_path=typo.yaml"], "typo.yaml: not a checkpoint: not a file torch.save"),
