@@ -23,6 +23,9 @@ def machine(device: str | None = None) -> str:
 
 
 def commit() -> str:
+    """``git rev-parse --short HEAD`` (+dirty), or ``$BENCH_COMMIT`` where the tree has no git (a copied checkout)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
