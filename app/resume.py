@@ -98,9 +98,24 @@ def plain(value):
     return value
 
 
+def changed(given, saved) -> bool:
+    """Whether a setting given for a resume differs from the checkpoint's. A class given with some of its arguments
+    (``class_path`` and ``init_args``, as a --config file names a scheduler) differs only where it names another class
+    or gives an argument another value: the checkpoint records every argument, defaults included."""
+    if isinstance(given, dict) and isinstance(saved, dict) and "class_path" in given:
+        given_args, saved_args = given.get("init_args") or {}, saved.get("init_args") or {}
+        return given["class_path"] != saved.get("class_path") or any(
+            k not in saved_args or saved_args[k] != v for k, v in given_args.items()
+        )
+    return given != saved
+
+
 def optimizer_overrides(given: dict, saved: dict | None, ckpt_path) -> dict:
-    """The optimizer arguments given for a resumed ``fit`` (put over the restored param groups); a different
-    optimizer class is an error, since its restored state would not fit."""
+    """The optimizer arguments given for a resumed ``fit`` that differ from those the checkpoint was trained with:
+    only these go over the restored param groups. An argument given again unchanged (the run's own ``--config``
+    file, as users resume) keeps the restored value, which a schedule may have moved: a restored lr of 0.0989 in a
+    cosine schedule is not reset to the file's 0.1. A different optimizer class is an error, since its restored
+    state would not fit."""
     given_class = given.get("class_path") if isinstance(given, dict) else None
     saved_class = (saved or {}).get("class_path", "torch.optim.SGD") if isinstance(saved, dict) else None
     if given_class and saved_class and given_class != saved_class:
@@ -108,7 +123,9 @@ def optimizer_overrides(given: dict, saved: dict | None, ckpt_path) -> dict:
             f"{ckpt_path} was trained with {saved_class}, but --model.optimizer={given_class} was given; fit resumes "
             "the optimizer's state, so drop the flag (its arguments, such as --model.optimizer.lr, can change)"
         )
-    return dict((given or {}).get("init_args") or {})
+    given_args = dict((given or {}).get("init_args") or {})
+    saved_args = ((saved or {}).get("init_args") or {}) if isinstance(saved, dict) else {}
+    return {k: v for k, v in given_args.items() if k not in saved_args or saved_args[k] != v}
 
 
 def best_checkpoint_of(last: Path, load=load_checkpoint) -> Path | None:
@@ -152,7 +169,8 @@ class CkptPathRule:
         - a training setting given explicitly (``--model.optimizer...``, ``--model.label_smoothing``, ...) wins over
           the checkpoint's, with a one-line notice naming it; one not given is the checkpoint's;
         - ``fit`` resumes the optimizer's state, with the optimizer arguments given explicitly (its lr, momentum,
-          ...) put over the restored ones (the example task's ``on_load_checkpoint``).
+          ...) that differ from the checkpoint's put over the restored ones (the example task's
+          ``on_load_checkpoint``); one given again unchanged keeps the restored value, which a schedule moved.
 
         The run's config.yaml records the values used. The file is loaded safely (``weights_only``; one-line errors
         for a missing, truncated, remote or unsafe file).
@@ -196,7 +214,7 @@ class CkptPathRule:
         notes = [
             f"--model.{k}={explicit[k]}"
             for k in sorted(explicit)
-            if k not in (*network, "optimizer") and k in saved and explicit[k] != saved[k]
+            if k not in (*network, "optimizer") and k in saved and changed(explicit[k], saved[k])
         ]
         notes += [f"--model.optimizer.{k}={v}" for k, v in self._optimizer_overrides.items()]
         if notes:

@@ -69,6 +69,28 @@ def test_a_resume_uses_the_training_settings_given_and_records_them(workdir, dat
     assert last_ckpt(v1)["optimizer_states"][0]["param_groups"][0]["lr"] == 0.01
 
 
+def test_a_resume_given_the_runs_own_config_again_keeps_the_scheduled_lr(tmp_path, data_dir):
+    """configs/fashion_mnist.yaml names the optimizer's lr and a cosine schedule. Resumed with the same file, as users
+    resume, the run put the file's lr (0.1) over the restored one that the schedule had moved (0.0989): the resumed
+    epochs trained at another lr than an unbroken run's (found on the GPU). An argument given again unchanged keeps
+    the restored value; only a changed one goes over it (the test above)."""
+    recipe = yaml.safe_load((ROOT / "configs" / "fashion_mnist.yaml").read_text())["model"]
+    schedule = tmp_path / "schedule.yaml"
+    schedule.write_text(yaml.safe_dump({"model": {k: recipe[k] for k in ("optimizer", "lr_scheduler")}}))
+    for name in ("unbroken", "stopped"):
+        (tmp_path / name).mkdir()
+    given = ("--config", str(schedule))
+    unbroken = fit(tmp_path / "unbroken", data_dir, *given, "--trainer.max_epochs=3")
+    assert unbroken.returncode == 0, unbroken.stderr[-3000:]
+    first = fit(tmp_path / "stopped", data_dir, *given, "--trainer.max_epochs=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = fit(tmp_path / "stopped", data_dir, *given, "--trainer.max_epochs=3", "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "settings, except" not in resumed.stderr  # nothing was changed
+    [expected] = versions(tmp_path / "unbroken")
+    assert_same_weights(last_ckpt(versions(tmp_path / "stopped")[-1]), last_ckpt(expected))
+
+
 def _corrupt(data: Path, name: str, change) -> None:
     from app.fashion_mnist.idx import read_idx, write_idx
 
