@@ -18,12 +18,14 @@ with the network the task's :class:`~app.task.TaskSpec` names, and every tensor 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import pickle
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +38,21 @@ from app.task import spec_of
 REMOTE_PREFIXES = ("http://", "https://")
 
 
-def atomic_torch_save(obj: Any, path: str | Path) -> None:
-    """``torch.save(obj, path)`` that never leaves a partial ``path`` behind."""
+def atomic_torch_save(obj: Any, path: str | Path, announce: Callable[[Path], Callable[[], None]] | None = None) -> None:
+    """``torch.save(obj, path)`` that never leaves a partial ``path`` behind.
+
+    ``announce``: called with the temporary file as soon as it exists, before anything is written to it; it returns
+    what takes the announcement back. Whoever reads the announcement may then tell a save in place from one cut short
+    by a kill (:func:`app.elastic.saved_states`): the temporary file leaves only by its rename onto ``path``, or,
+    when the save fails, after the announcement was taken back."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    take_back = None
     try:
         with os.fdopen(fd, "wb") as f:
+            if announce is not None:
+                take_back = announce(Path(tmp))
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
@@ -50,7 +60,10 @@ def atomic_torch_save(obj: Any, path: str | Path) -> None:
         os.replace(tmp, path)
     except BaseException as err:
         full = isinstance(err, OSError | RuntimeError) and _disk_full(path.parent, err)
-        Path(tmp).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # not taken back: the temporary file stays for the announcement's reader
+            if take_back is not None:
+                take_back()
+            Path(tmp).unlink(missing_ok=True)
         if full:
             raise UserError(
                 f"{path}: not written, {full}; the file there before (if any) is unchanged. Free space, then resume "
@@ -171,12 +184,19 @@ class SafeCheckpointIO(TorchCheckpointIO):
     def __init__(self, allow_remote: bool = False) -> None:
         self.allow_remote = allow_remote
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        path: Any,
+        storage_options: Any | None = None,
+        announce: Callable[[Path], Callable[[], None]] | None = None,
+    ) -> None:
+        """``announce``: as :func:`atomic_torch_save`'s (a survivor's save under the horovod launcher)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
         checkpoint.setdefault(FORMAT_KEY, CHECKPOINT_FORMAT)
         checkpoint[CHECKSUM_KEY] = tensor_digests(checkpoint)
-        atomic_torch_save(checkpoint, path)
+        atomic_torch_save(checkpoint, path, announce=announce)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
         location = map_location if map_location is not None else (lambda storage, loc: storage)

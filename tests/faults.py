@@ -18,7 +18,9 @@ Actions (``action``): ``kill`` (SIGKILL this process: a lost rank), ``kill_node`
 agent and then itself: a lost machine), ``pause`` (sleep ``seconds``: a slow rank), ``sigterm`` (SIGTERM to this
 process: a preemption notice), ``wait_for_harness`` (write ``once``, then wait until a SIGTERM comes: the chaos
 harness starts a node that torchrun takes in, or stops the whole job, when it sees the file), ``sigstop`` (a hung
-process), ``error`` (a bug: RuntimeError), ``disk_full`` (the save raises ``OSError(ENOSPC)``; only at ``save``).
+process), ``error`` (a bug: RuntimeError), ``disk_full`` (the save raises ``OSError(ENOSPC)``; only at ``save``),
+``kill_before_replace`` and ``kill_after_replace`` (only at ``save``: SIGKILL this process just before, or just after,
+the ``os.replace`` that puts the checkpoint file being saved in place: a rank killed in the middle of its save).
 """
 
 from __future__ import annotations
@@ -31,7 +33,18 @@ import time
 from lightning.pytorch import Callback
 
 POINTS = ("step", "window", "next_batch", "validation", "save")
-ACTIONS = ("kill", "kill_node", "pause", "sigterm", "wait_for_harness", "sigstop", "error", "disk_full")
+ACTIONS = (
+    "kill",
+    "kill_node",
+    "pause",
+    "sigterm",
+    "wait_for_harness",
+    "sigstop",
+    "error",
+    "disk_full",
+    "kill_before_replace",
+    "kill_after_replace",
+)
 
 
 def launcher_start() -> int:
@@ -107,6 +120,8 @@ class Fault(Callback):
             raise RuntimeError("a fault injected by tests/faults.py")
         elif self.action == "disk_full":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        elif self.action in ("kill_before_replace", "kill_after_replace"):
+            _kill_at_checkpoint_replace(after=self.action == "kill_after_replace")
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         stepped = trainer.global_step != self._step_at_batch_start
@@ -135,3 +150,19 @@ class Fault(Callback):
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self.at == "save" and self._mine(trainer) and trainer.global_step >= self.step:
             self._act(trainer)
+
+
+def _kill_at_checkpoint_replace(after: bool) -> None:
+    """From now on, the ``os.replace`` that puts a ``.ckpt`` file in place SIGKILLs this process just before it
+    (``after=False``: the file is complete under its temporary name) or just after it (the file is in place, and
+    nothing that follows the rename in the save runs)."""
+    replace = os.replace
+
+    def replace_then_kill(src, dst, *args, **kwargs):
+        if str(dst).endswith(".ckpt") and not after:
+            os.kill(os.getpid(), signal.SIGKILL)
+        replace(src, dst, *args, **kwargs)
+        if str(dst).endswith(".ckpt"):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    os.replace = replace_then_kill

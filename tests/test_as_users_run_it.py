@@ -421,7 +421,9 @@ def test_a_stop_sent_while_the_horovod_ranks_start_is_not_lost(signum, tmp_path)
 def test_a_stopped_horovod_rank_does_not_outlive_its_launcher(tmp_path):
     """Rank 1 stops itself (SIGSTOP) after step 2, so rank 0 cannot save and mpirun ends; a stopped process ignores
     mpirun's SIGTERM. It lived on and wrote last.ckpt after the launcher said that no rank saved the state; now the
-    launcher SIGKILLs what is left of its ranks before it says anything (issue 34, item 9)."""
+    launcher SIGKILLs what is left of its ranks before it says anything (issue 34, item 9). mpirun's exit orphans the
+    ranks' process group, and the kernel wakes rank 1 (SIGHUP, SIGCONT): it may save before the SIGKILL lands, and
+    the SIGKILL may land in the middle of that save (the next test makes both moments certain)."""
     root = tmp_path / "root"
     stop = {"class_path": "tests.faults.Fault", "init_args": {"at": "step", "step": 2, "action": "sigstop", "rank": 1}}
     cmd = cli_command(f"--trainer.default_root_dir={root}", "--trainer.strategy=horovod", "--trainer.devices=2",
@@ -436,8 +438,36 @@ def test_a_stopped_horovod_rank_does_not_outlive_its_launcher(tmp_path):
         assert result.returncode == 1, output[-3000:]
         time.sleep(2)  # and nothing writes after the launcher said so
         assert not list(root.glob("lightning_logs/version_0/checkpoints/last.ckpt"))
-    else:  # mpirun woke rank 1 (SIGCONT before its SIGTERM) in time for it to save: the restart goes on from there
+    else:  # rank 1, woken when mpirun exited, saved before the launcher's SIGKILL: the restart goes on from there
         assert result.returncode == 0 and "restart 1 of at most 1 on 1 rank(s)" in output, output[-3000:]
+
+
+@pytest.mark.parametrize("moment", ["kill_before_replace", "kill_after_replace"])
+def test_a_horovod_rank_killed_in_its_save_leaves_what_the_launcher_says(moment, tmp_path):
+    """Rank 1 dies after step 2; rank 0's collective fails and it saves the state of step 2, and is SIGKILLed in that
+    save, just before or just after the rename that puts last.ckpt in place: where the launcher's SIGKILL of a rank
+    left after mpirun (woken by the kernel when mpirun exits) can land. Before the rename: no rank saved, and nothing
+    is left of the save (not even its temporary file). After it: the launcher restarts from that last.ckpt. The rank
+    reported its save only after the rename, and a kill in between had the launcher say that no rank saved the state
+    while last.ckpt was there (the stopped-rank test above, once in CI)."""
+    root = tmp_path / "root"
+    lose = {"class_path": "tests.faults.Fault", "init_args": {"at": "step", "step": 2, "action": "kill", "rank": 1}}
+    die = {"class_path": "tests.faults.Fault", "init_args": {"at": "save", "step": 2, "action": moment, "rank": 0}}
+    cmd = cli_command(f"--trainer.default_root_dir={root}", "--trainer.strategy=horovod", "--trainer.devices=2",
+        "--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(lose),
+        "--trainer.callbacks+=" + json.dumps(die),
+    )  # fmt: skip
+    result = run(cmd, tmp_path, timeout=200)
+    output = result.stdout + result.stderr
+    checkpoints = root / "lightning_logs" / "version_0" / "checkpoints"
+    if moment == "kill_before_replace":
+        assert result.returncode == 1, output[-3000:]
+        assert "No rank saved the state after a step, so the ranks are not restarted" in output, output[-3000:]
+        assert not checkpoints.exists() or not list(checkpoints.iterdir())  # no last.ckpt, no hidden .tmp
+    else:
+        assert result.returncode == 0, output[-3000:]
+        assert f"restart 1 of at most 1 on 1 rank(s), resuming from {checkpoints / 'last.ckpt'}" in output, output
+        assert "No rank saved" not in output
 
 
 def launch_folders_of(pid: int) -> list[Path]:

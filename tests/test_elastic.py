@@ -25,8 +25,17 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from lightning.pytorch import Trainer
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from app.checkpoint_io import CHECKPOINT_FORMAT, FORMAT_KEY, check_compatible, load_checkpoint
-from app.elastic import agent_id, finished_run_of, mark_run, run_of, take_launcher_numbers
+from app.checkpoint_io import CHECKPOINT_FORMAT, FORMAT_KEY, atomic_torch_save, check_compatible, load_checkpoint
+from app.elastic import (
+    MPI_LAUNCH_DIR,
+    agent_id,
+    finished_run_of,
+    mark_run,
+    run_of,
+    saved_state_announcer,
+    saved_states,
+    take_launcher_numbers,
+)
 from app.errors import UserError
 from app.launcher import torchrun_job
 from app.loader import ResumableLoader, ResumableSampler
@@ -494,6 +503,32 @@ def test_a_rank_lost_in_the_epoch_checkpoints_save_leaves_one_best_checkpoint(tm
         v for k, v in load_checkpoint(run / "checkpoints" / "last.ckpt")["callbacks"].items() if "Checkpoint" in k
     ]
     assert Path(state["best_model_path"]) == best
+
+
+def test_the_horovod_launcher_counts_a_survivors_save_once_it_is_in_place_and_nothing_else(tmp_path, monkeypatch):
+    """Each survivor announces its save to the launcher before the file is in place, naming the temporary file; the
+    launcher (once the ranks are gone) counts the saves whose file was renamed into place, and removes what a save
+    cut short left. Rank 0 saved; rank 1 was killed after its announcement, before the rename (its temporary file is
+    there, complete or not); rank 2's save failed (it takes its report back, and its file). A report written only
+    after the rename was missed by a kill in between, and the launcher said that no rank saved, with last.ckpt there."""
+    launch, checkpoints = tmp_path / "launch", tmp_path / "checkpoints"
+    launch.mkdir()
+    monkeypatch.setenv(MPI_LAUNCH_DIR, str(launch))
+    last = checkpoints / "last.ckpt"
+    atomic_torch_save({"w": torch.ones(3)}, last, announce=saved_state_announcer(0, str(last)))
+    cut_short = checkpoints / ".last.ckpt.killed.tmp"
+    cut_short.write_bytes(b"PK\x03\x04 half of a checkpoint")
+    saved_state_announcer(1, str(last))(cut_short)
+    with pytest.raises(AttributeError, match="pickle"):  # a local object: torch.save fails half-way
+        atomic_torch_save({"w": lambda: None}, last, announce=saved_state_announcer(2, str(last)))
+    assert sorted(p.name for p in launch.iterdir()) == ["saved-state-0", "saved-state-1"]
+    assert saved_states(launch) == {0: str(last)}
+    assert [p.name for p in checkpoints.iterdir()] == ["last.ckpt"]  # rank 1's temporary file removed
+
+    last.unlink()  # rank 0's file was renamed, but is gone since: no save
+    assert saved_states(launch) == {}
+    monkeypatch.delenv(MPI_LAUNCH_DIR)
+    assert saved_state_announcer(0, str(last)) is None  # not under the horovod launcher (torchrun): nothing to tell
 
 
 def test_horovod_max_restarts_is_checked(monkeypatch):

@@ -94,6 +94,32 @@ def test_the_reaper_ends_the_ranks_and_removes_the_launch_folder_once_the_launch
             process.kill()
 
 
+def test_leftover_ranks_are_gone_before_the_launcher_reads_what_they_wrote(tmp_path):
+    """After mpirun exited, the launcher SIGKILLs the ranks left (here a stopped one, which mpirun's exit wakes in
+    a real run) and reads their reports only once they are gone: a SIGKILL takes effect when the process next runs,
+    so one in the middle of a rename still finished it after ``kill`` returned."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from app.strategies._reaper import rank_pids, running
+    from app.strategies.launch import end_leftover_ranks
+
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "app.strategies._mpi_worker"])
+    try:
+        (tmp_path / "rank-1.pid").write_text(str(rank.pid))
+        deadline = time.monotonic() + 30
+        while not rank_pids(tmp_path) and time.monotonic() < deadline:  # until its exec: pytest's command line before
+            time.sleep(0.01)
+        rank.send_signal(signal.SIGSTOP)
+        end_leftover_ranks(tmp_path)
+        assert not running(rank.pid)  # every thread has exited (a zombie until this test reaps it)
+        assert rank.wait(timeout=5) == -signal.SIGKILL
+    finally:
+        rank.kill()
+
+
 @pytest.fixture
 def rank_5_of_8_on_two_nodes(clean_env):
     """Open MPI's rank 5 of 8, local rank 1 of 4 per node (the rank rank_zero_only remembers is put back after)."""

@@ -44,6 +44,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.callbacks.progress import console_print
 from app.callbacks.rank_watchdog import RankWatchdog
+from app.checkpoint_io import SafeCheckpointIO
 from app.elastic import (
     MARKER,
     METRICS_BEFORE_RESTART,
@@ -55,6 +56,7 @@ from app.elastic import (
     restarts_left,
     restarts_possible,
     run_shape,
+    saved_state_announcer,
 )
 from app.errors import TemplateWarning, UserError
 from app.lightning_internals import (
@@ -468,17 +470,24 @@ class Elastic(Callback):
         self._saving_loops = loops
         self._saving_row = self._step_row
         # The process group is broken: no barrier after the save, and every survivor writes (rank 0 may be gone).
+        # Under the horovod launcher the save is announced to it before the file is in place (saved_state_announcer):
+        # a rank that the launcher kills at any moment of the save leaves what the launcher then says.
+        announce = saved_state_announcer(trainer.global_rank, str(path))
+        checkpoint_io = strategy.checkpoint_io
         with saving_alone(strategy) as captured:
             try:
                 trainer.save_checkpoint(path, weights_only=False)
-                strategy.checkpoint_io.save_checkpoint(captured["checkpoint"], path)
+                if announce is not None and isinstance(checkpoint_io, SafeCheckpointIO):
+                    checkpoint_io.save_checkpoint(captured["checkpoint"], path, announce=announce)
+                else:
+                    checkpoint_io.save_checkpoint(captured["checkpoint"], path)
+                    report_saved_state(trainer.global_rank, str(path))  # another checkpoint_io: once written
             except Exception as err:  # noqa: BLE001 - the original failure is what the user must see
                 say(trainer, f"[rank {trainer.global_rank}] could not save the state after step {step}: {err}")
                 return True
             finally:
                 self._saving_loops = self._saving_row = None
         self.saved_after_failure = str(path)
-        report_saved_state(trainer.global_rank, str(path))
         reason = " ".join(str(exception).split())[:200]
         then = (
             "the launcher restarts the job from there"

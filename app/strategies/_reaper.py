@@ -47,10 +47,33 @@ def rank_pids(folder: Path) -> list[int]:
     return pids
 
 
-def kill_ranks(folder: Path) -> None:
-    for pid in rank_pids(folder):
+def kill_ranks(folder: Path, wait: float = 30.0) -> None:
+    """SIGKILL the ranks of ``folder`` that still run, and return once they are gone (up to ``wait`` seconds): a
+    SIGKILL takes effect when the process next runs, so one in the middle of a rename or a write was still finishing
+    it after ``kill`` returned, and a caller that then reads what the ranks wrote could read it too early."""
+    pids = rank_pids(folder)
+    for pid in pids:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + wait
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def running(pid: int) -> bool:
+    """Whether any thread of process ``pid`` has yet to exit (a zombie has, all of its threads)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] not in "ZX":
+                    return True
+        except (OSError, IndexError):
+            continue  # that thread is gone
+    return False
 
 
 def main(folder: Path, grace: float = GRACE) -> None:

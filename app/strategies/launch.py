@@ -27,7 +27,14 @@ from typing import Any
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.loggers import CSVLogger
 
-from app.elastic import MPI_LAUNCH_DIR, MPI_RESTART, MPI_RESTARTS_LEFT, SAVED_STATE, keep_metrics_for_restart
+from app.elastic import (
+    MPI_LAUNCH_DIR,
+    MPI_RESTART,
+    MPI_RESTARTS_LEFT,
+    SAVED_STATE,
+    keep_metrics_for_restart,
+    saved_states,
+)
 from app.errors import Diverged, Preempted, UserError
 from app.launcher import launcher_ranks
 from app.lightning_internals import ResultsLauncher, resume_from
@@ -165,7 +172,8 @@ class MPIRunLauncher(ResultsLauncher):
     the ranks start waits for them (they take it once they have written their pid); one that comes between an
     mpirun and its restart starts none. mpirun runs in a session of its own, so Ctrl-C in a terminal reaches this
     process only: mpirun would otherwise abort the job ("hit ctrl-c again to forcibly terminate") and drop the ranks'
-    last lines. A rank that outlives its mpirun (stopped, so deaf to SIGTERM) is SIGKILLed. If this process dies,
+    last lines. A rank that outlives its mpirun (stopped, so deaf to SIGTERM) is SIGKILLed, and gone before the
+    survivors' reports of their saves are read (:func:`app.elastic.saved_states`). If this process dies,
     mpirun gets SIGTERM from the kernel and ends the ranks, and a reaper (:mod:`app.strategies._reaper`) removes the
     temporary folder, which holds the pickled job.
     """
@@ -198,9 +206,14 @@ class MPIRunLauncher(ResultsLauncher):
         restart = 0
         while True:
             returncode = self._run_ranks(workdir, restart, trainer, function, args, kwargs, stops)
-            if returncode == 0:
+            if returncode == 0 and (workdir / "result.pkl").is_file():
                 break
             failed = f"the horovod ranks failed (mpirun exited with {returncode}); see their output above"
+            if returncode == 0:
+                failed = (
+                    "the horovod ranks failed (rank 0 ended without its results, killed: mpirun, with "
+                    "--enable-recovery, counts that as no error and exited with 0); see their output above"
+                )
             if restart >= self._strategy.max_restarts:
                 raise RuntimeError(failed)
             restart += 1
@@ -265,8 +278,8 @@ class MPIRunLauncher(ResultsLauncher):
         from app.reductions import is_power_of_two
 
         strategy = self._strategy
-        saved = {int(p.name.rsplit("-", 1)[1]): p.read_text() for p in workdir.glob(f"{SAVED_STATE}-*")}
-        ckpt = next((path for _, path in sorted(saved.items()) if Path(path).is_file()), None)
+        saved = saved_states(workdir)  # no rank runs any more (end_leftover_ranks): what is in place stays so
+        ckpt = next((path for _, path in sorted(saved.items())), None)
         if trainer is None or ckpt is None:
             raise RuntimeError(f"{failed}. No rank saved the state after a step, so the ranks are not restarted")
         survivors = sorted(saved)
@@ -451,5 +464,8 @@ class StopSignals:
 
 def end_leftover_ranks(workdir: Path) -> None:
     """After mpirun exited: a rank it could not end (stopped with SIGSTOP, so it ignores SIGTERM) would wake later and
-    write into the run folder while a restart trains there, or after the launcher said no state was saved."""
+    write into the run folder while a restart trains there, or after the launcher said no state was saved. It does
+    wake: mpirun's exit leaves the ranks' process group orphaned, and the kernel sends a stopped member SIGHUP and
+    SIGCONT. It may then save the state before the SIGKILL lands, and be killed at any moment of that save: the
+    launcher reads the ranks' reports only once they are gone (:func:`app.elastic.saved_states`)."""
     kill_ranks(workdir)
