@@ -249,6 +249,20 @@ def test_pipeline_layouts_that_cannot_work_are_one_line_before_anything_starts(o
         Trainer(strategy=PipelineStrategy(**options), accelerator="cpu", devices=devices, logger=False)
 
 
+def test_a_torch_whose_schedules_take_no_split_microbatches_is_one_line(monkeypatch):
+    """torch 2.11's ScheduleGPipe.eval(*args, target=None, losses=None, **kwargs) split our list of microbatches as
+    if it were a keyword input: every stage failed at its first evaluation (seen on the GPU machine)."""
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    def eval_of_torch_2_11(self, *args, target=None, losses=None, **kwargs):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(ScheduleGPipe, "eval", eval_of_torch_2_11)
+    monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+    with pytest.raises(UserError, match=r"^--trainer.strategy=pipeline needs a torch .*; torch 2.11.0\+cu130 has"):
+        PipelineStrategy()
+
+
 def test_a_network_the_pipeline_cannot_cut_is_one_line():
     from tests.tiny import TinyClassifier
 

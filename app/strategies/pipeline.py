@@ -50,6 +50,21 @@ from app.task import spec_of
 Schedule = Literal["gpipe", "1f1b"]
 
 
+def check_torch_schedules() -> None:
+    """The stages are fed microbatches split here (torch.chunk, as dp splits), through the ``arg_mbs`` of torch's
+    schedules' ``step`` and ``eval``. Older torch has no such argument and split the list itself: the first evaluation
+    failed in every stage (``TypeError: 'int' object is not iterable``, seen with torch 2.11 on a GPU machine)."""
+    import inspect
+
+    from torch.distributed.pipelining import ScheduleGPipe
+
+    if not all("arg_mbs" in inspect.signature(getattr(ScheduleGPipe, f)).parameters for f in ("step", "eval")):
+        raise UserError(
+            f"--trainer.strategy=pipeline needs a torch whose pipeline schedules take split microbatches (arg_mbs); "
+            f"torch {torch.__version__} has none (2.14 has): pip install --upgrade torch torchvision"
+        )
+
+
 class PipelineStrategy(SplitModelStrategy):
     strategy_name = "pipeline"
     float16_reason = "the stages' backward here"
@@ -83,6 +98,7 @@ class PipelineStrategy(SplitModelStrategy):
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout,
         )  # fmt: skip
+        check_torch_schedules()
         if stages is not None and stages < 1:
             raise UserError(f"--trainer.strategy.stages={stages}: use a whole number >= 1")
         if microbatches < 1:
