@@ -95,6 +95,13 @@ COMPILE_REFUSED = (
 )
 
 
+@torch.compiler.disable
+def _refuse_compile() -> None:
+    """Raised outside the traced graph: Dynamo of torch 2.11 cannot build the error in it (UserError's __init__
+    records itself) and failed with its own "Failed to raise exception" instead (seen on the GPU machine)."""
+    raise UserError(COMPILE_REFUSED)
+
+
 class _Checkpointed:
     """Mixin placed in front of a module's own class: ``forward`` runs under ``torch.utils.checkpoint``."""
 
@@ -107,7 +114,7 @@ class _Checkpointed:
         if torch.compiler.is_compiling():
             # torch.compile needs a checkpoint's context_fn to return TorchDispatchModes; the BatchNorm guard below
             # (its running statistics updated once, not again in the recomputation) is a plain context manager
-            raise UserError(COMPILE_REFUSED)
+            _refuse_compile()
         return checkpoint(forward, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
 
     def _contexts(self):
