@@ -10,10 +10,6 @@
 3. the data pipeline alone: our loader (one indexing op per batch, transforms on the device) against
    torchvision's ``FashionMNIST`` + ``DataLoader`` with per-sample ``ToTensor``/``Normalize``.
 
-On a GPU each run's ``gpu_busy`` is nvidia-smi's utilisation (the share of time a kernel was running), sampled every
-100 ms, median over the second half of the span in which the GPU was busy: the timed steps, past start-up, warm-up and
-compilation.
-
 ``--repeats N`` runs 1 and 2 N times, interleaved (plain, then each ``cli.py fit``, then plain again ..., the order
 rotated by one each repeat), and reports medians; the ratio to the plain loop is the median of the N paired
 ratios, so slow drifts of a shared machine cancel. ``spread`` is (max - min) / median of a row's N values.
@@ -29,11 +25,9 @@ import argparse
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from statistics import median
@@ -76,44 +70,6 @@ def peak_flops(device: torch.device, precision: str, given: float | None) -> flo
         if key in name:
             return (half if "16" in precision else full) * 1e12
     return None
-
-
-class GpuBusy:
-    """nvidia-smi's GPU utilisation, sampled every 100 ms while the ``with`` block runs (a run in another process).
-    ``steady``: the median over the second half of the span in which the GPU was busy; None without a GPU or
-    nvidia-smi."""
-
-    def __init__(self, cuda: bool):
-        self.exe = shutil.which("nvidia-smi") if cuda else None
-        self.samples: list[int] = []
-
-    def __enter__(self) -> GpuBusy:
-        if self.exe:
-            index = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
-            query = [self.exe, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits", "--loop-ms=100"]
-            query.append(f"--id={index}")
-            self.process = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            self.reader = threading.Thread(target=self._read, daemon=True)
-            self.reader.start()
-        return self
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            if line.strip().isdigit():
-                self.samples.append(int(line))
-
-    def __exit__(self, *exc) -> None:
-        if self.exe:
-            self.process.terminate()
-            self.process.wait()
-            self.reader.join(timeout=5)
-
-    @property
-    def steady(self) -> float | None:
-        busy = [i for i, value in enumerate(self.samples) if value > 0]
-        if not busy:
-            return None
-        return median(self.samples[(busy[0] + busy[-1]) // 2 : busy[-1] + 1])
 
 
 # ------------------------------------------------------------------------------------------------ 1. plain loop
@@ -235,7 +191,6 @@ def main() -> None:
 
     def add(name: str, values: list[float], plains: list[float], devices: int = 1) -> None:
         images_per_s, per_step = median(values), args.batch_size * devices  # images per optimizer step
-        utilisation = [u for u in busy[name] if u is not None]
         row = {
             "run": name,
             "images_per_s": images_per_s,
@@ -249,28 +204,23 @@ def main() -> None:
             else "",
             "tflops": images_per_s * per_image / 1e12,
             "of_peak": images_per_s * per_image / peak if peak else "",
-            "gpu_busy": median(utilisation) / 100 if utilisation else "",
         }
         rows.append(row)
         extra = f"{row['extra_ms_per_step']:+7.2f} ms/step vs plain  " if devices == 1 else " " * 26
         spread = f"(spread {row['spread']:.1%} over {len(values)})"
-        gpu = f"  GPU busy {row['gpu_busy']:.0%}" if utilisation else ""
         print(f"{name:30s} {images_per_s:10,.0f} img/s  {row['s_per_epoch']:8.2f} s/epoch  "
-              f"{row['vs_plain']:.3f} x plain  {extra}{spread}{gpu}", flush=True)  # fmt: skip
+              f"{row['vs_plain']:.3f} x plain  {extra}{spread}", flush=True)  # fmt: skip
 
     data_dir = Path(args.data_dir).resolve()
     runs = bench_runs(args.strategies, args.compile, cuda)
     plains: list[float] = []
     results: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     jobs = [("plain PyTorch loop", None, 1), *runs]
-    busy: dict[str, list[float | None]] = {name: [] for name, _, _ in jobs}
     for repeat in range(args.repeats):
         # Rotated each repeat: no run always follows the same one (a 2-process run heats or throttles a shared VM).
         shift = repeat % len(jobs)
         for name, strategy, devices in jobs[shift:] + jobs[:shift]:
-            with GpuBusy(cuda) as sampler:
-                value = plain_loop(args, data_dir) if strategy is None else cli_fit(args, data_dir, strategy, devices)
-            busy[name].append(sampler.steady)
+            value = plain_loop(args, data_dir) if strategy is None else cli_fit(args, data_dir, strategy, devices)
             (plains if strategy is None else results[name]).append(value)
             print(f"repeat {repeat + 1}/{args.repeats}: {name} {value:,.0f} img/s", flush=True)
     add("plain PyTorch loop", plains, plains)
@@ -291,11 +241,10 @@ def main() -> None:
         f"median of {args.repeats} interleaved repeats; "
         f"{per_image / 1e9:.2f} GFLOP per training image; peak {peak / 1e12 if peak else 'unknown'} TFLOP/s. "
         "vs_plain: images/s relative to the plain loop (for the data rows: ours / torchvision); spread: (max - min) / "
-        "median; extra_ms_per_step: median paired difference of step times to the plain loop"
-        + ("; gpu_busy: nvidia-smi utilisation over the timed steps (median)." if cuda else ".")
+        "median; extra_ms_per_step: median paired difference of step times to the plain loop."
     )
     columns = ["run", "images_per_s", "s_per_epoch", "vs_plain", "spread", "ms_per_step", "extra_ms_per_step"]
-    columns += ["tflops", "of_peak"] + (["gpu_busy"] if cuda else [])
+    columns += ["tflops", "of_peak"]
     name = f"speed-{args.arch}-b{args.batch_size}" + ("-compile" if args.compile else "")
     path = record(name, "bench", rows, columns, notes)
     print(path.read_text())
