@@ -44,10 +44,12 @@ def cli_command(*args: str) -> list[str]:
     return [*cli, "--trainer.max_epochs=1", "--trainer.limit_train_batches=4", *args]
 
 
-def run(cmd: list[str], cwd: Path, timeout: float = 240, fresh: bool = True) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], cwd: Path, timeout: float = 240, fresh: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """``cmd`` in a fresh interpreter, or forked from a warm one (``fresh=False``) for a test's later runs."""
     # PYTHONPATH: a YAML config may name tests.test_as_users_run_it.Marker (a user's own module on the path).
-    environ = {**os.environ, **MPI_ENV, "PYTHONPATH": str(ROOT)}
+    environ = {**os.environ, **MPI_ENV, "PYTHONPATH": str(ROOT), **(env or {})}
     launch = subprocess.run if fresh else warm.run
     return launch(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout)
 
@@ -429,11 +431,14 @@ def test_a_stopped_horovod_rank_does_not_outlive_its_launcher(tmp_path):
     cmd = cli_command(f"--trainer.default_root_dir={root}", "--trainer.strategy=horovod", "--trainer.devices=2",
         "--trainer.strategy.max_restarts=1", "--watchdog.timeout=2", "--trainer.callbacks+=" + json.dumps(stop),
     )  # fmt: skip
-    before = set(rank_processes("app.strategies._mpi_worker"))
-    result = run(cmd, tmp_path, timeout=200)
+    # The run's own temporary folder holds its launch folder, which each rank's command line names: the ranks of
+    # this run, not those of a test beside it in another pytest worker
+    own_tmp = tmp_path / "tmp"
+    own_tmp.mkdir()
+    result = run(cmd, tmp_path, timeout=200, env={"TMPDIR": str(own_tmp)})
     output = result.stdout + result.stderr
     assert "could not save its state" in output, output[-3000:]  # rank 0: its collective with rank 1 hangs
-    assert not set(rank_processes("app.strategies._mpi_worker")) - before  # no rank of this run left, stopped or not
+    assert not rank_processes(str(own_tmp))  # no rank of this run left, stopped or not
     if "No rank saved the state after a step, so the ranks are not restarted" in output:
         assert result.returncode == 1, output[-3000:]
         time.sleep(2)  # and nothing writes after the launcher said so
