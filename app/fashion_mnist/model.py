@@ -215,7 +215,11 @@ class ImageClassifier(LightningModule):
     # ---------------------------------------------------------------- optimisation
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """On a resumed fit: the optimizer arguments given on the command line go over the restored param groups
-        (Lightning loads ``optimizer_states`` after this hook); a new lr becomes the schedulers' base lr too."""
+        (Lightning loads ``optimizer_states`` after this hook); a new lr becomes the schedulers' base lr too; the
+        scheduler's arguments given go over its restored state (``T_max``, ...)."""
+        for state in checkpoint.get("lr_schedulers", []):
+            changed = getattr(self, "scheduler_overrides", None) or {}
+            state.update({k: v for k, v in changed.items() if k in state})
         overrides = getattr(self, "optimizer_overrides", None)
         if not overrides:
             return

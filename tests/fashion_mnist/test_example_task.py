@@ -5,6 +5,7 @@ The machinery's tests (tests/test_*.py) train the tests' own task (tests/tiny.py
 its own task's tests.
 """
 
+import math
 import os
 import shutil
 import sys
@@ -89,6 +90,26 @@ def test_a_resume_given_the_runs_own_config_again_keeps_the_scheduled_lr(tmp_pat
     assert "settings, except" not in resumed.stderr  # nothing was changed
     [expected] = versions(tmp_path / "unbroken")
     assert_same_weights(last_ckpt(versions(tmp_path / "stopped")[-1]), last_ckpt(expected))
+
+
+def test_a_resume_given_another_scheduler_argument_trains_on_with_it(tmp_path, data_dir):
+    """The notice said the given T_max wins, but Lightning restored the scheduler's state, saved T_max included:
+    the resumed run went on with the old schedule. The argument given now goes over the restored state."""
+    schedule = "--model.lr_scheduler=torch.optim.lr_scheduler.CosineAnnealingLR"
+    first = fit(tmp_path, data_dir, schedule, "--model.lr_scheduler.init_args.T_max=30", "--trainer.max_epochs=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = fit(
+        tmp_path, data_dir, schedule, "--model.lr_scheduler.init_args.T_max=4", "--trainer.max_epochs=2",
+        "--ckpt_path=last",
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "settings, except --model.lr_scheduler=" in resumed.stderr and "'T_max': 4" in resumed.stderr
+    [state] = last_ckpt(versions(tmp_path)[-1])["lr_schedulers"]
+    assert state["T_max"] == 4 and state["last_epoch"] == 2
+    # torch steps a cosine schedule from the lr it finds (0.0997 after one epoch of T_max=30): 0.0584; T_max=30: 0.0989
+    after_first = 0.05 * (1 + math.cos(math.pi / 30))
+    expected = after_first * (1 + math.cos(math.pi * 2 / 4)) / (1 + math.cos(math.pi / 4))
+    assert state["_last_lr"][0] == pytest.approx(expected)
 
 
 def _corrupt(data: Path, name: str, change) -> None:
