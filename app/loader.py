@@ -10,7 +10,8 @@ sample of the epoch once. With the same number of ranks the order is exactly tha
 
 The loader also names each batch by ``(epoch, batch)``: augmentation seeds its random numbers from that name
 (:meth:`ResumableLoader.batch_seed`), so the random crops of a resumed run are those of an unbroken run without any
-random-number state in the checkpoint.
+random-number state in the checkpoint. Its loaders draw nothing from torch's global generator (which the model's
+dropout draws from, and which :class:`app.callbacks.RandomState` saves and restores).
 
 :func:`make_loader` is what a data module calls to get these promises for its own dataset (docs/fork.md).
 """
@@ -88,6 +89,7 @@ class ResumableLoader(DataLoader):
     sampler: ResumableSampler
 
     def __init__(self, *args: Any, seed: int = 0, **kwargs: Any) -> None:
+        kwargs.setdefault("generator", torch.Generator())  # seeded per epoch in __iter__
         super().__init__(*args, **kwargs)
         if not isinstance(self.sampler, ResumableSampler):
             raise TypeError("ResumableLoader needs a ResumableSampler")
@@ -110,6 +112,9 @@ class ResumableLoader(DataLoader):
         # Counted where batches are handed out (not where workers prefetch them): what training has consumed.
         sampler = self.sampler
         self.epoch, self.batch, self.consumed = sampler.epoch, self.first_batch(), sampler.consumed
+        # Starting an iterator draws the workers' base seed from the loader's generator (torch's global one when it
+        # has none, which would shift the dropout masks after a resume): one of its own, seeded by the epoch.
+        self.generator.manual_seed(hash((self.seed, self.epoch, sampler.rank)) & 0x7FFF_FFFF_FFFF_FFFF)
         left = sampler.remaining()  # of this rank, in this epoch
         for batch in super().__iter__():
             self.batch += 1
@@ -160,6 +165,8 @@ def make_loader(
     shard = getattr(strategy, "distributed_sampler_kwargs", None) or {}
     on_cuda = strategy is not None and strategy.root_device.type == "cuda"
     options.setdefault("pin_memory", on_cuda)
+    # the workers' base seed comes from this generator, not torch's global one (app/callbacks/random_state.py)
+    options.setdefault("generator", torch.Generator().manual_seed(seed))
     if options.get("num_workers", 0) > 0:
         options.setdefault("persistent_workers", True)
     if train:

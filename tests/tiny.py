@@ -59,7 +59,14 @@ class TinyClassifier(LightningModule):
     )  # fmt: skip
 
     def __init__(
-        self, width: int = 4, blocks: int = 2, classes: int = 4, norm: str = "batch", lr: float = LR, lr_step: int = 0
+        self,
+        width: int = 4,
+        blocks: int = 2,
+        classes: int = 4,
+        norm: str = "batch",
+        lr: float = LR,
+        lr_step: int = 0,
+        dropout: float = 0.0,
     ) -> None:
         """
         Args:
@@ -69,6 +76,7 @@ class TinyClassifier(LightningModule):
             norm: ``batch`` or ``group`` normalization.
             lr: SGD's learning rate (momentum 0.9).
             lr_step: Halve the learning rate every ``lr_step`` optimizer steps (a StepLR); 0: keep it.
+            dropout: Dropout before the head (random numbers in every training step); 0: no dropout layer.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -79,6 +87,7 @@ class TinyClassifier(LightningModule):
                 relu=nn.ReLU(),
                 **{f"block{i}": Block(width, norm) for i in range(blocks)},
                 flatten=nn.Flatten(1),
+                **({"dropout": nn.Dropout(dropout)} if dropout else {}),
                 head=nn.Linear(width * SIZE * SIZE, classes),
             )
         )

@@ -9,6 +9,7 @@ from app.callbacks.lr_monitor import LearningRateMonitor
 from app.callbacks.prediction_writer import PredictionWriter
 from app.callbacks.preemption import Preemption
 from app.callbacks.progress import ProgressBar
+from app.callbacks.random_state import RandomState
 from app.callbacks.rank_watchdog import RankWatchdog
 from app.callbacks.run_report import RunReport
 from app.callbacks.sync_batchnorm import AllReduceBatchNorm, SyncBatchNorm
@@ -28,6 +29,7 @@ __all__ = [
     "Preemption",
     "PredictionWriter",
     "ProgressBar",
+    "RandomState",
     "RankWatchdog",
     "RunReport",
     "StopOnNonFinite",
