@@ -75,7 +75,6 @@ class CLI(CkptPathRule, LightningCLI):
         self._seed_line: HeldRecords | None = None
         self._args = kwargs.get("args")
         self._optimizer_overrides: dict = {}
-        self._scheduler_overrides: dict = {}
         self._loaded: dict[str, dict] = {}  # checkpoints read by the CLI's checks, each read once
         self._resolved: str | None = None  # the file --ckpt_path last/best named when the config was parsed
         self._elastic_ckpt: str | None = None  # the last.ckpt a torchrun restart resumes from
@@ -241,8 +240,6 @@ class CLI(CkptPathRule, LightningCLI):
     # ``LightningCLI`` calls ``before_<subcommand>`` just before ``trainer.<subcommand>(ckpt_path=...)``.
     def before_fit(self) -> None:
         self._check_ckpt_path()
-        self.model.optimizer_overrides = self._optimizer_overrides
-        self.model.scheduler_overrides = self._scheduler_overrides
 
     before_validate = before_test = before_predict = before_fit
 

@@ -100,6 +100,7 @@ DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.PredictionWriter"},
     {"class_path": "app.callbacks.Preemption"},
     {"class_path": "app.callbacks.RandomState"},  # each rank's generators in every checkpoint: exact resume
+    {"class_path": "app.callbacks.ResumeSettings"},  # a resume's changed optimizer settings go over the restored
     {"class_path": "app.callbacks.Elastic"},
     {"class_path": "app.callbacks.StopOnNonFinite"},
 ]

@@ -128,16 +128,6 @@ def optimizer_overrides(given: dict, saved: dict | None, ckpt_path) -> dict:
     return {k: v for k, v in given_args.items() if k not in saved_args or saved_args[k] != v}
 
 
-def scheduler_overrides(given, saved) -> dict:
-    """The LR-scheduler arguments given for a resumed ``fit`` that differ from the checkpoint's (the same scheduler
-    class). Lightning restores the scheduler's state, which holds its arguments (``T_max``, ``step_size``, ...) and
-    would bring the saved ones back: these go over it (the example task's ``on_load_checkpoint``)."""
-    if not (isinstance(given, dict) and isinstance(saved, dict)) or given.get("class_path") != saved.get("class_path"):
-        return {}
-    given_args, saved_args = given.get("init_args") or {}, saved.get("init_args") or {}
-    return {k: v for k, v in given_args.items() if k not in saved_args or saved_args[k] != v}
-
-
 def best_checkpoint_of(last: Path, load=load_checkpoint) -> Path | None:
     """The best checkpoint that the run which wrote ``last`` kept (its ModelCheckpoint's state says which)."""
     states = load(str(last)).get("callbacks", {})
@@ -159,7 +149,6 @@ class CkptPathRule:
     _resolved: str | None
     _loaded: dict[str, dict]
     _optimizer_overrides: dict
-    _scheduler_overrides: dict
 
     def _init_args(self, config, group: str):
         """The ``model`` or ``data`` arguments of a parsed config, whether the class was fixed or named."""
@@ -180,8 +169,8 @@ class CkptPathRule:
         - a training setting given explicitly (``--model.optimizer...``, ``--model.label_smoothing``, ...) wins over
           the checkpoint's, with a one-line notice naming it; one not given is the checkpoint's;
         - ``fit`` resumes the optimizer's state, with the optimizer arguments given explicitly (its lr, momentum,
-          ...) that differ from the checkpoint's put over the restored ones (the example task's
-          ``on_load_checkpoint``); one given again unchanged keeps the restored value, which a schedule moved.
+          ...) that differ from the checkpoint's put over the restored ones (:class:`app.callbacks.ResumeSettings`,
+          for any task); one given again unchanged keeps the restored value, which a schedule moved.
 
         The run's config.yaml records the values used. The file is loaded safely (``weights_only``; one-line errors
         for a missing, truncated, remote or unsafe file).
@@ -222,8 +211,6 @@ class CkptPathRule:
             if isinstance(saved.get("optimizer"), dict):  # the restored optimizer, with the given arguments over it
                 init_args = {**saved["optimizer"].get("init_args", {}), **self._optimizer_overrides}
                 taken["optimizer"] = {**saved["optimizer"], "init_args": init_args}
-        if subcommand == "fit" and "lr_scheduler" in explicit:
-            self._scheduler_overrides = scheduler_overrides(explicit["lr_scheduler"], saved.get("lr_scheduler"))
         notes = [
             f"--model.{k}={explicit[k]}"
             for k in sorted(explicit)

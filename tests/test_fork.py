@@ -331,6 +331,96 @@ def test_a_users_own_package_trains_resumes_predicts_and_keeps_its_folder(tmp_pa
     ]
 
 
+TUNED_TASK = '''
+"""A forker's task with LightningCLI's callables for the optimizer and the schedule (its own flag names)."""
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+
+from userpkg import TinyCNN
+
+
+class TunedCNN(TinyCNN):
+    def __init__(
+        self,
+        optimizer: OptimizerCallable = torch.optim.Adam,
+        schedule: LRSchedulerCallable | None = None,
+        crash_at_step: int = -1,
+    ):
+        super().__init__(crash_at_step=crash_at_step)
+        self.save_hyperparameters()  # (this class's arguments: TinyCNN's step reads crash_at_step)
+        self.optimizer_factory, self.schedule_factory = optimizer, schedule
+
+    def configure_optimizers(self):
+        optimizer = self.optimizer_factory(self.parameters())
+        if self.schedule_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": self.schedule_factory(optimizer)}
+'''
+
+
+def _lrs(version: Path) -> set[float]:
+    """The lr of every optimizer step, as LearningRateMonitor read it from the optimizer (metrics.csv)."""
+    rows = csv.DictReader((version / "metrics.csv").open())
+    return {float(value) for row in rows for key, value in row.items() if key.startswith("lr-") and value}
+
+
+@pytest.mark.slow
+def test_a_forks_own_lr_and_optimizer_arguments_given_on_resume_are_what_trains(tmp_path):
+    """A forker's task reads its own --model.lr in configure_optimizers: resumed with --model.lr=0.5, the run said
+    "except --model.lr=0.5" and went on at the restored 0.05 (issue 45). Only the example task put the settings over
+    the restored optimizer; the machinery does it now for any task: its own lr, and LightningCLI's optimizer and
+    schedule callables with other arguments. What the optimizer trains with is read back from it."""
+    packages, root, elsewhere = tmp_path / "site", tmp_path / "runs", tmp_path / "cwd"
+    (packages / "userpkg").mkdir(parents=True)
+    (packages / "userpkg" / "__init__.py").write_text(USER_PACKAGE)
+    (packages / "userpkg" / "tuned.py").write_text(TUNED_TASK)
+    elsewhere.mkdir()
+    every = "--trainer.log_every_n_steps=1"
+    first = _user_run(_user_command(root, every, "--trainer.max_epochs=1"), elsewhere, packages)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _user_run(_user_command(root, every, "--model.lr=0.5", "--ckpt_path=last"), elsewhere, packages)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    output = resumed.stdout + resumed.stderr
+    assert "settings, except --model.lr=0.5" in output
+    assert "Resumed with the settings given over the restored state: lr 0.05 -> 0.5" in output
+    v0, v1 = sorted((root / "lightning_logs").glob("version_*"))
+    assert _lrs(v0) == {0.05} and _lrs(v1) == {0.5}
+    saved = torch.load(v1 / "checkpoints" / "last.ckpt", weights_only=True)
+    assert saved["optimizer_states"][0]["param_groups"][0]["lr"] == 0.5
+
+    tuned = ("--model=userpkg.tuned.TunedCNN", "--model.optimizer=torch.optim.AdamW", every)
+    schedule = ("--model.schedule=torch.optim.lr_scheduler.StepLR", "--model.schedule.gamma=0.5")
+    first = _user_run(
+        _user_command(
+            root := tmp_path / "tuned", *tuned, "--model.optimizer.lr=0.01", *schedule, "--model.schedule.step_size=1",
+            "--trainer.max_epochs=1",
+        ),
+        elsewhere,
+        packages,
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = _user_run(
+        _user_command(
+            root, *tuned, "--model.optimizer.lr=0.002", "--model.optimizer.weight_decay=0.1", *schedule,
+            "--model.schedule.step_size=1", "--ckpt_path=last",
+        ),
+        elsewhere,
+        packages,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    output = resumed.stdout + resumed.stderr
+    # the schedule had halved 0.01 after epoch 0: the new lr keeps that factor
+    line = re.search(
+        r"Resumed with the settings given over the restored state: lr 0.005 -> (\S+), weight_decay \S+ -> 0.1\n", output
+    )
+    assert line and float(line.group(1)) == pytest.approx(0.001), output[-3000:]
+    v0, v1 = sorted((root / "lightning_logs").glob("version_*"))
+    [lr] = _lrs(v1)
+    assert _lrs(v0) == {0.01} and lr == pytest.approx(0.001)
+    [group] = torch.load(v1 / "checkpoints" / "last.ckpt", weights_only=True)["optimizer_states"][0]["param_groups"]
+    assert group["initial_lr"] == 0.002 and group["weight_decay"] == 0.1 and group["lr"] == pytest.approx(0.0005)
+
+
 @pytest.mark.slow
 def test_a_users_own_entry_script_with_its_classes_inside(tmp_path):
     """``main(model=..., data=...)`` from the user's own script (classes defined in it), under ddp: the script

@@ -11,6 +11,7 @@ from app.callbacks.preemption import Preemption
 from app.callbacks.progress import ProgressBar
 from app.callbacks.random_state import RandomState
 from app.callbacks.rank_watchdog import RankWatchdog
+from app.callbacks.resume_settings import ResumeSettings
 from app.callbacks.run_report import RunReport
 from app.callbacks.sync_batchnorm import AllReduceBatchNorm, SyncBatchNorm
 from app.callbacks.warmup import LRWarmup
@@ -30,6 +31,7 @@ __all__ = [
     "PredictionWriter",
     "ProgressBar",
     "RandomState",
+    "ResumeSettings",
     "RankWatchdog",
     "RunReport",
     "StopOnNonFinite",

@@ -213,25 +213,6 @@ class ImageClassifier(LightningModule):
         self._log_epoch("test")
 
     # ---------------------------------------------------------------- optimisation
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """On a resumed fit: the optimizer arguments given on the command line go over the restored param groups
-        (Lightning loads ``optimizer_states`` after this hook); a new lr becomes the schedulers' base lr too; the
-        scheduler's arguments given go over its restored state (``T_max``, ...)."""
-        for state in checkpoint.get("lr_schedulers", []):
-            changed = getattr(self, "scheduler_overrides", None) or {}
-            state.update({k: v for k, v in changed.items() if k in state})
-        overrides = getattr(self, "optimizer_overrides", None)
-        if not overrides:
-            return
-        for state in checkpoint.get("optimizer_states", []):
-            for group in state["param_groups"]:
-                group.update({k: v for k, v in overrides.items() if k in group})
-                if "lr" in overrides and "initial_lr" in group:
-                    group["initial_lr"] = overrides["lr"]
-        for state in checkpoint.get("lr_schedulers", []):
-            if "lr" in overrides and "base_lrs" in state:
-                state["base_lrs"] = [overrides["lr"]] * len(state["base_lrs"])
-
     def configure_optimizers(self) -> Any:
         if self.optimizer_factory is None:
             optimizer = torch.optim.SGD(self.parameters(), **DEFAULT_SGD)
