@@ -46,7 +46,7 @@ class TaskSpec:
     lr_flag: str = "--model.optimizer.lr"
     """The flag that sets the learning rate, named in hints (divergence, warmup)."""
     samples: Callable[[Any], int] | None = None
-    """How many samples a batch holds (the run report's images/s); default: :func:`count_samples`."""
+    """How many samples a batch holds (the run report's samples/s); default: :func:`count_samples`."""
 
 
 DEFAULT_SPEC = TaskSpec()

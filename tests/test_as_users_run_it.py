@@ -45,13 +45,24 @@ def cli_command(*args: str) -> list[str]:
 
 
 def run(
-    cmd: list[str], cwd: Path, timeout: float = 240, fresh: bool = True, env: dict | None = None
+    cmd: list[str],
+    cwd: Path,
+    timeout: float = 240,
+    fresh: bool = True,
+    env: dict | None = None,
+    log: Path | None = None,
 ) -> subprocess.CompletedProcess:
-    """``cmd`` in a fresh interpreter, or forked from a warm one (``fresh=False``) for a test's later runs."""
+    """``cmd`` in a fresh interpreter, or forked from a warm one (``fresh=False``) for a test's later runs. With
+    ``log``, stdout goes into that file, as ``> log`` sends it (the result's ``stdout`` is the file's text)."""
     # PYTHONPATH: a YAML config may name tests.test_as_users_run_it.Marker (a user's own module on the path).
     environ = {**os.environ, **MPI_ENV, "PYTHONPATH": str(ROOT), **(env or {})}
     launch = subprocess.run if fresh else warm.run
-    return launch(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout)
+    if log is None:
+        return launch(cmd, cwd=cwd, env=environ, capture_output=True, text=True, timeout=timeout)
+    with log.open("w") as out:
+        result = launch(cmd, cwd=cwd, env=environ, stdout=out, stderr=subprocess.PIPE, text=True, timeout=timeout)
+    result.stdout = log.read_text()
+    return result
 
 
 def noise(stderr: str) -> list[str]:
@@ -575,12 +586,19 @@ def test_ctrl_c_in_a_terminal_says_what_it_does_above_the_bar(tmp_path):
     assert sum(line.startswith("Epoch ") for line in lines) == 1, text
 
 
-@pytest.mark.parametrize("strategy", ["auto", "ddp"])
+@pytest.mark.parametrize("strategy", ["auto", "ddp", "horovod", "mpirun"])
 def test_redirected_output_is_plain_text(tmp_path, strategy):
-    """Under ddp too: the task logs torchmetrics objects per epoch, whose first read is a collective; rank 0's bar
-    read them alone and the run hung at the end of epoch 0 (Lightning issue 21264)."""
-    strategy_flags = [f"--trainer.strategy={strategy}", "--trainer.devices=2"] if strategy != "auto" else []
-    result = run(cli_command("--trainer.enable_progress_bar=true", *strategy_flags), cwd=tmp_path, timeout=120)
+    """stdout into a file gets plain lines, no bar redrawn. Under ddp too: the task logs torchmetrics objects per
+    epoch, whose first read is a collective; rank 0's bar read them alone and the run hung at the end of epoch 0
+    (Lightning issue 21264). Under ``mpirun -np 2`` typed by the user (horovod's usual launch) each rank's stdout
+    is a pseudo-terminal of mpirun's, which mpirun copies to its own stdout: the bar saw a terminal and filled the
+    log with its redraws. The horovod strategy's own mpirun launch is the same but for the launcher in between."""
+    name = "horovod" if strategy == "mpirun" else strategy
+    strategy_flags = [f"--trainer.strategy={name}", "--trainer.devices=2"] if strategy != "auto" else []
+    cmd = cli_command("--trainer.enable_progress_bar=true", *strategy_flags)
+    if strategy == "mpirun":
+        cmd = [str(Path(sys.executable).parent / "mpirun"), "-np", "2", "--oversubscribe", *cmd]
+    result = run(cmd, cwd=tmp_path, timeout=180, log=tmp_path / "log.txt")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "\x1b" not in result.stdout + result.stderr
     assert "epoch 0 | train loss" in result.stdout + result.stderr

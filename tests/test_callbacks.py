@@ -347,7 +347,7 @@ def test_all_callbacks_together_with_bf16_through_the_cli(workdir, capsys):
 # ================================================================================================ RunReport
 @pytest.mark.slow
 def test_run_report_rows_per_device_for_dp_ddp_and_pipeline(workdir):
-    """A row per device, whose images/s add up to the epoch line's (a pipeline's stages all see each sample: each
+    """A row per device, whose samples/s add up to the epoch line's (a pipeline's stages all see each sample: each
     row counts its share, not the whole batch again)."""
     for strategy in ("dp", "ddp", "pipeline"):
         result = cli_fit(workdir, f"--trainer.strategy={strategy}", "--trainer.devices=2")
@@ -356,10 +356,60 @@ def test_run_report_rows_per_device_for_dp_ddp_and_pipeline(workdir):
         table = out[out.index("Run report") :]
         rows = [line for line in table.splitlines() if line.startswith("│")]
         assert len(rows) == 2 and all(" 8 " in row for row in rows), table  # 8 steps on each device
-        epoch = re.search(r"epoch 0 \| train loss .* \| ([\d,]+) img/s", result.stderr + out)
+        epoch = re.search(r"epoch 0 \| train loss .* \| ([\d,]+) samples/s", result.stderr + out)
         assert epoch, out[-2000:]
         per_device = sum(float(row.split("│")[5].replace(",", "")) for row in rows)
         assert per_device == pytest.approx(float(epoch[1].replace(",", "")), rel=0.25), (strategy, table)
+
+
+def epoch_losses(version_dir) -> list[float]:
+    """The task's own ``train/loss_epoch`` (its mean per-sample training loss) of each epoch, from metrics.csv."""
+    with open(version_dir / "metrics.csv") as f:
+        return [float(r["train/loss_epoch"]) for r in csv.DictReader(f) if r.get("train/loss_epoch")]
+
+
+def report_rows(output: str) -> list[list[str]]:
+    """The end-of-training table's rows, cell by cell (rank, device, steps, step ms, samples/s, peak memory)."""
+    table = output[output.index("Run report") :]
+    return [[cell.strip() for cell in line.split("│")[1:-1]] for line in table.splitlines() if line.startswith("│")]
+
+
+@pytest.mark.slow
+def test_run_report_train_loss_does_not_depend_on_gradient_accumulation(workdir):
+    """The epoch line's train loss is the epoch's mean loss per sample, the task's train/loss_epoch, at any
+    accumulation. It was the step outputs' loss, which Lightning divides by accumulate_grad_batches (2.12 at 1,
+    0.39 at 4), so it also jumped when a resume changed the accumulation. 8 batches at 3: groups of 3, 3 and 2."""
+    result = cli_fit(workdir, "--trainer.accumulate_grad_batches=3")
+    output = result.stdout + result.stderr
+    line = re.search(r"epoch 0 \| train loss ([\d.]+) \|", output)
+    assert line, output[-2000:]
+    (expected,) = epoch_losses(workdir / "lightning_logs" / "version_0")
+    assert float(line[1]) == pytest.approx(expected, abs=2e-4), output[-2000:]
+
+
+@pytest.mark.slow
+def test_run_report_steps_are_optimizer_steps(workdir):
+    """The table's steps are optimizer steps (trainer.global_step), its step time per optimizer step: 8 batches at
+    accumulate_grad_batches=2 are 4 steps (it counted batches: 8)."""
+    result = cli_fit(workdir, "--trainer.accumulate_grad_batches=2")
+    rows = report_rows(result.stdout)
+    assert len(rows) == 1 and rows[0][2] == "4", result.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_run_report_counts_samples_of_a_task_without_images(workdir):
+    """A task of sequences (examples/sequence.py, dict batches) trains no images: the epoch line and the table say
+    samples/s (they said img/s and images/s for every task)."""
+    result = cli_fit(
+        workdir, "--model=examples.sequence.SequenceRegressor", "--data=examples.sequence.SequenceData",
+        "--trainer.limit_train_batches=4", "--trainer.limit_val_batches=2",
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert re.search(r"epoch 0 \| train loss [\d.]+ \| val mse [\d.]+ \| [\d.]+ s \| [\d,]+ samples/s \|", output), (
+        output[-2000:]
+    )
+    header = output[output.index("Run report") :].splitlines()[2]
+    assert "samples/s" in header and "images" not in output and "img/s" not in output, output[-2000:]
 
 
 # ------------------------------------------------------------------------------------------------ ModelCheckpoint

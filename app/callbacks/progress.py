@@ -12,11 +12,16 @@ the GPU works, and the redraw's host time is time the GPU idles. :class:`Progres
 ``refresh_seconds`` (and at each loop's first and last batch), and shows per-step values such as ``train/loss``
 by reading them from the trainer's ``callback_metrics`` when it draws, so they can be logged without
 ``prog_bar=True``.
+
+Output that does not reach a terminal (a log file, a pipe) gets plain lines: rich tells by ``isatty()``, except
+under ``mpirun``, whose ranks all write to a pseudo-terminal of its own (see :func:`plain_under_the_launcher`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import sys
 import time
 from typing import Any
@@ -24,6 +29,8 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities import rank_zero_info
+
+from app.launcher import launcher_ranks
 
 
 def live_bar_console(trainer: Trainer) -> Any:
@@ -49,6 +56,53 @@ def console_print(trainer: Trainer, message: Any) -> None:
         from rich.console import Console
 
         Console().print(message)
+
+
+def plain_under_the_launcher() -> None:
+    """Under an MPI launcher, make rich print plain lines when the launcher's own output is no terminal.
+
+    Open MPI's ``mpirun`` gives every rank a pseudo-terminal as its stdout and copies what comes out of it to its own
+    stdout, which is as often a log file (``mpirun ... > train.log``, a batch job) as a terminal. Rich asks the rank's
+    stdout, always a terminal then, so the bar redrew itself into the log several times a second. Where the output
+    really goes is the stdout of the nearest ancestor process that does not write into this one's terminal: mpirun
+    (or its daemon on another node). When that is no terminal, or cannot be read, ``TTY_COMPATIBLE=0`` (rich's own
+    switch, which the horovod strategy's self-launch sets for its ranks likewise) makes every rich console of this
+    process plain, the bar's, the model summary's and the run report's alike. A ``TTY_COMPATIBLE`` or ``FORCE_COLOR``
+    set by the user is kept.
+    """
+    if launcher_ranks() is None or "TTY_COMPATIBLE" in os.environ or "FORCE_COLOR" in os.environ:
+        return
+    try:
+        ours = os.fstat(sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # stdout replaced (captured): rich does not draw a bar on it
+        return
+    if not os.isatty(sys.stdout.fileno()):
+        return  # rich sees no terminal already
+    if not _launcher_writes_to_a_terminal((ours.st_dev, ours.st_ino)):
+        os.environ["TTY_COMPATIBLE"] = "0"
+
+
+def _launcher_writes_to_a_terminal(ours: tuple[int, int]) -> bool:
+    """Whether the nearest ancestor whose stdout is not the file ``ours`` (device, inode) writes to a terminal."""
+    pid = os.getppid()
+    for _ in range(16):  # mpirun, or a shell or two between it and the rank (``mpirun sh -c "python ..."``)
+        if pid <= 1:
+            return False
+        try:
+            theirs = os.stat(f"/proc/{pid}/fd/1")
+            if (theirs.st_dev, theirs.st_ino) != ours:
+                if not stat.S_ISCHR(theirs.st_mode):  # a file or a pipe
+                    return False
+                fd = os.open(f"/proc/{pid}/fd/1", os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+                try:
+                    return os.isatty(fd)  # a terminal, not /dev/null
+                finally:
+                    os.close(fd)
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent
+        except (OSError, ValueError, IndexError):  # not Linux, or not ours to read: plain lines are always readable
+            return False
+    return False
 
 
 class _CurrentStderr:
@@ -94,6 +148,7 @@ class ProgressBar(RichProgressBar):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        plain_under_the_launcher()  # before the bar's console is made (at the first loop's start)
         if self.is_enabled:
             log_above_the_bar()
 

@@ -1,15 +1,16 @@
-"""What a run did, per epoch and per device: seconds, images/s, step time and peak memory.
+"""What a run did, per epoch and per device: seconds, samples/s, step time and peak memory.
 
 Each epoch prints one line, like d2l's::
 
-    epoch 3 | train loss 0.4120 | val acc 0.8712 | 12.3 s | 4,567 img/s | 2 x cuda (ddp)
+    epoch 3 | train loss 0.4120 | val acc 0.8712 | 12.3 s | 4,567 samples/s | 2 x cuda (ddp)
 
-(the validation figure is the metric the task's ``spec.monitor`` names; "img/s" counts samples of any kind)
+(the train loss is the epoch's mean loss per sample, whatever ``accumulate_grad_batches``; the validation figure
+is the metric the task's ``spec.monitor`` names; samples are what ``spec.samples`` counts: images, sequences, ...)
 
-and the end of training prints a table with one row per device: steps, mean step time, images/s and peak memory
-(``torch.cuda.max_memory_allocated`` on GPUs, the process's peak resident memory on CPU). Under ``dp`` device 0
-holds the master weights and gathers every output, so its peak memory stands above the others'; under ``ddp`` the
-rows are even.
+and the end of training prints a table with one row per device: optimizer steps, mean time per optimizer step,
+samples/s and peak memory (``torch.cuda.max_memory_allocated`` on GPUs, the process's peak resident memory on CPU).
+Under ``dp`` device 0 holds the master weights and gathers every output, so its peak memory stands above the
+others'; under ``ddp`` the rows are even.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from app.callbacks.progress import console_print
 from app.strategies.dp import DataParallelStrategy
 from app.task import batch_samples, spec_of
 
-_FIELDS = ("images", "seconds", "steps", "peak_bytes")
+_FIELDS = ("samples", "seconds", "steps", "peak_bytes")
 
 
 class RunReport(Callback):
@@ -34,13 +35,15 @@ class RunReport(Callback):
     def __init__(self) -> None:
         self._train_seconds = 0.0
         self._started: float | None = None
-        self._images = 0
+        self._samples = 0
         self._loss_sum = 0.0
         self._run = dict.fromkeys(_FIELDS, 0.0)
+        self._global_step = 0  # trainer.global_step when the last training batch ended
 
     # ---------------------------------------------------------------- timing the training batches
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._run = dict.fromkeys(_FIELDS, 0.0)
+        self._global_step = trainer.global_step  # a resumed run's steps count from here
         for device in _devices(trainer):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -48,14 +51,15 @@ class RunReport(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start = self._started = time.perf_counter()
-        self._train_seconds, self._images, self._loss_sum = 0.0, 0, 0.0
+        self._train_seconds, self._samples, self._loss_sum = 0.0, 0, 0.0
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         n = batch_samples(pl_module, batch)
-        self._images += n
-        loss = outputs.get("batch_loss", outputs["loss"]) if isinstance(outputs, dict) else outputs
-        self._loss_sum = self._loss_sum + loss.detach().double() * n  # stays on the device: no sync per step
-        self._run["steps"] += 1
+        self._samples += n
+        self._loss_sum = self._loss_sum + _batch_loss(trainer, pl_module, outputs) * n  # on the device: no sync
+        # optimizer steps, not batches: with accumulate_grad_batches=k only every k-th batch steps
+        self._run["steps"] += trainer.global_step - self._global_step
+        self._global_step = trainer.global_step
 
     def _pause(self, pl_module: LightningModule) -> None:
         if self._started is not None:
@@ -75,18 +79,18 @@ class RunReport(Callback):
     # ---------------------------------------------------------------- the epoch line
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pause(pl_module)
-        self._run["images"] += self._images
+        self._run["samples"] += self._samples
         self._run["seconds"] += self._train_seconds
         # Every rank reaches this hook, so the reduction is safe; it makes the numbers global.
         loss_sum = torch.as_tensor(self._loss_sum, dtype=torch.float64, device=pl_module.device).reshape(1)
-        totals = torch.cat([torch.tensor([self._images], dtype=torch.float64, device=pl_module.device), loss_sum])
+        totals = torch.cat([torch.tensor([self._samples], dtype=torch.float64, device=pl_module.device), loss_sum])
         totals = trainer.strategy.reduce(totals, reduce_op="sum")
         stages = getattr(trainer.strategy, "stages", 1)  # a pipeline's stages all see each of its samples
-        images, loss_sum = (total / stages for total in totals.tolist())
+        samples, loss_sum = (total / stages for total in totals.tolist())
         seconds = time.perf_counter() - self._epoch_start
         parts = [f"epoch {trainer.current_epoch}"]
-        if images:
-            parts.append(f"train loss {loss_sum / images:.4f}")
+        if samples:
+            parts.append(f"train loss {loss_sum / samples:.4f}")
         monitor = spec_of(pl_module).monitor  # the task's headline metric (val/acc -> "val acc 0.8712")
         value = trainer.callback_metrics.get(monitor) if monitor else None
         if value is not None:
@@ -94,19 +98,20 @@ class RunReport(Callback):
         devices = (
             f"{max(trainer.num_devices * trainer.num_nodes, trainer.world_size)} x {trainer.strategy.root_device.type}"
         )
-        if not images:  # resumed (a restart, a stop in validation) after the epoch's last training batch
+        if not samples:  # resumed (a restart, a stop in validation) after the epoch's last training batch
             console_print(
                 trainer, " | ".join([*parts, "resumed after its training", f"{devices} ({strategy_name(trainer)})"])
             )
             return
         parts += [
             f"{seconds:.1f} s",
-            f"{images / max(self._train_seconds, 1e-9):,.0f} img/s",
+            f"{samples / max(self._train_seconds, 1e-9):,.0f} samples/s",
             f"{devices} ({strategy_name(trainer)})",
         ]
         console_print(trainer, " | ".join(parts))
+        # (the metric keeps its name, which metrics.csv readers and cli.py plot know: it counts samples too)
         pl_module.log(
-            "perf/images_per_s", images / max(self._train_seconds, 1e-9), on_epoch=True, batch_size=1, sync_dist=True
+            "perf/images_per_s", samples / max(self._train_seconds, 1e-9), on_epoch=True, batch_size=1, sync_dist=True
         )
         pl_module.log("perf/epoch_seconds", seconds, on_epoch=True, batch_size=1, sync_dist=True)
 
@@ -124,7 +129,7 @@ class RunReport(Callback):
             [
                 [
                     # its share: a pipeline's stages all see each sample, so the column adds up to the epoch line's
-                    self._run["images"] / len(devices) / getattr(trainer.strategy, "stages", 1),
+                    self._run["samples"] / len(devices) / getattr(trainer.strategy, "stages", 1),
                     self._run["seconds"],
                     self._run["steps"],
                     peak,
@@ -138,14 +143,14 @@ class RunReport(Callback):
         gathered = _gather(local).reshape(-1, len(devices), len(_FIELDS) + 1)
         rows = []
         for rank, per_rank in enumerate(gathered.tolist()):
-            for images, seconds, steps, peak, index in per_rank:
+            for samples, seconds, steps, peak, index in per_rank:
                 rows.append(
                     {
                         "rank": rank,
                         "device": devices[0].type if index < 0 else f"{devices[0].type}:{int(index)}",
                         "steps": int(steps),
                         "step_ms": 1000 * seconds / max(steps, 1),
-                        "images_per_s": images / max(seconds, 1e-9),
+                        "samples_per_s": samples / max(seconds, 1e-9),
                         "peak_mib": peak / 2**20,
                     }
                 )
@@ -156,7 +161,7 @@ def device_table(rows: list[dict], title: str):
     from rich.table import Table
 
     table = Table(title=title)
-    for name in ("rank", "device", "steps", "step ms", "images/s", "peak memory MiB"):
+    for name in ("rank", "device", "steps", "step ms", "samples/s", "peak memory MiB"):
         table.add_column(name, justify="right")
     for r in rows:
         table.add_row(
@@ -164,10 +169,21 @@ def device_table(rows: list[dict], title: str):
             r["device"],
             str(r["steps"]),
             f"{r['step_ms']:.1f}",
-            f"{r['images_per_s']:,.0f}",
+            f"{r['samples_per_s']:,.0f}",
             f"{r['peak_mib']:,.0f}",
         )
     return table
+
+
+def _batch_loss(trainer: Trainer, pl_module: LightningModule, outputs) -> torch.Tensor:
+    """The batch's own mean loss, detached, in float64: the step output's ``batch_loss`` when the task returns one,
+    else its ``loss`` as the task computed it. Under automatic optimization Lightning hands the hooks that loss
+    divided by ``accumulate_grad_batches`` (what backward gets, so that k batches add up to one step's gradient);
+    read as it is, the epoch's loss was 1/k of the task's, and jumped when a resume changed k."""
+    if isinstance(outputs, dict) and "batch_loss" in outputs:
+        return outputs["batch_loss"].detach().double()
+    loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach().double()
+    return loss * trainer.accumulate_grad_batches if pl_module.automatic_optimization else loss
 
 
 def _gather(local: torch.Tensor) -> torch.Tensor:
