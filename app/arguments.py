@@ -31,10 +31,11 @@ def nested_option_error(line: str) -> str | None:
     ``--trainer.callbacks.hook``), or under its ``init_args`` in a YAML file, as one sentence: the flag or the YAML
     key, what is wrong, and the choices or the closest option."""
     group = re.search(r'Parser key "([\w.]+)": Does not validate against any of the Union subtypes', line)
-    given = re.search(r"NestedArg\(key='([\w.]+)', val='([^']*)'\)", line)
+    # the value as jsonargparse parsed it: a string in quotes, or a list (--trainer.strategy.balance=[a,b])
+    given = re.search(r"NestedArg\(key='([\w.]+)', val=('[^']*'|.*?)\)(?= |$)", line)
     if group and given:
         key, value = given.groups()
-        flag = f"--{group.group(1)}.{key}={value}"
+        flag = f"--{group.group(1)}.{key}={value[1:-1] if value.startswith(chr(39)) else value}"
     elif group:  # a YAML file's class_path and init_args: the key with its file's path (Parser.error adds the file)
         key, value = _yaml_init_arg(line)
         if key is None:
@@ -61,6 +62,14 @@ def nested_option_error(line: str) -> str | None:
     choices = re.search(r"Expected a typing\.Literal\[(.*?)\]", wrong_value)
     if choices:
         return f"{flag}: must be one of {', '.join(c.strip().strip(chr(39)) for c in choices.group(1).split(','))}"
+    plain = re.match(r"Expected a (<class '(?:int|float|bool)'>)\. Got value:", wrong_value)
+    if plain:
+        return f"{flag}: expected {plain_types([plain.group(1)])}"
+    # an option that may also be left unset (reduce_dtype: Literal[...] | None, stages: int | None): a union
+    subtypes = re.search(r"Subtypes: \[(.*?)\] Errors:", wrong_value)
+    expected = expectation(subtypes.group(1)) if subtypes else None
+    if expected:
+        return f"{flag}: {expected}"
     return f"{flag}: {wrong_value.split(' Given value type:')[0].strip()}"
 
 
@@ -120,21 +129,35 @@ def union_error(line: str) -> str | None:
     given = re.search(r"Given value: (.*)$", line)
     if not (subtypes and given):
         return None
-    types = re.findall(
-        r"typing\.Literal\[[^\]]*\]|<class '[\w.]+'>|[\w.\[\], ]+?(?=, typing|, <class|$)", subtypes.group(1)
-    )
     value = given.group(1).split(";")[0].strip()
-    if types and all(t in PLAIN_TYPES or t == "<class 'NoneType'>" for t in types):  # --trainer.max_epochs=abc
-        return f"{flag}={value}: expected {plain_types([t for t in types if t in PLAIN_TYPES])}"
-    if not types or not all(t.startswith("typing.Literal[") or t == "<class 'NoneType'>" for t in types):
+    expected = expectation(subtypes.group(1))
+    return f"{flag}={value}: {expected}" if expected else None
+
+
+LIST_TYPES = {"list[int]": "a list of whole numbers", "list[float]": "a list of numbers", "list[str]": "a list"}
+
+
+def expectation(subtypes: str) -> str | None:
+    """What a value must be, from the ``Subtypes: [...]`` of jsonargparse's union error: "must be one of ..." when
+    the types are literals, "expected a whole number" (or a list of them) for plain types; None for others (classes).
+    ``None`` among them (an option that may be left unset) goes unsaid."""
+    types = re.findall(r"typing\.Literal\[[^\]]*\]|<class '[\w.]+'>|[\w.\[\], ]+?(?=, typing|, <class|$)", subtypes)
+    types = [t.strip() for t in types if t.strip() != "<class 'NoneType'>"]
+    if not types:
+        return None
+    if all(t in PLAIN_TYPES or t in LIST_TYPES for t in types):  # --trainer.max_epochs=abc
+        plain = [t for t in types if t in PLAIN_TYPES]
+        kinds = ([plain_types(plain)] if plain else []) + [LIST_TYPES[t] for t in types if t in LIST_TYPES]
+        return f"expected {' or '.join(kinds)}"
+    if not all(t.startswith("typing.Literal[") for t in types):
         return None
     choices: list[str] = []
-    for literal in (t for t in types if t.startswith("typing.Literal[")):
+    for literal in types:
         for choice in re.findall(r"'([^']*)'|(-?\d+)", literal.removeprefix("typing.Literal[")):
             text = choice[0] or choice[1]
             if text not in choices:
                 choices.append(text)
-    return f"{flag}={value}: must be one of {', '.join(choices)}"
+    return f"must be one of {', '.join(choices)}"
 
 
 # An optimizer's arguments, given as --model.lr: they are --model.optimizer.lr.

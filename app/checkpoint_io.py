@@ -9,9 +9,10 @@
   object is refused, not executed), remote ``http(s)://`` paths only when allowed, and one-line errors.
 
 Every checkpoint it writes carries a digest of each tensor (:data:`CHECKSUM_KEY`), checked when it is loaded: torch
-keeps no checksum of its own, and a file damaged on a disk or in a copy loaded silently (4 KiB of 0xff in the
-middle of a last.ckpt resumed, then "diverged"). It also carries the template's format number (:data:`FORMAT_KEY`);
-:func:`check_compatible` is
+checks no checksum when it loads, and a file damaged on a disk or in a copy loaded silently (4 KiB of 0xff in the
+middle of a last.ckpt resumed, then "diverged"). The rest of any checkpoint, its pickled structure (keys, numbers,
+hyperparameters), is checked against the CRC-32 its zip archive keeps (:func:`check_archive`), and a file cut short
+is named as such. It also carries the template's format number (:data:`FORMAT_KEY`); :func:`check_compatible` is
 the rule a run applies before it loads one: not from a newer template, written by the model class this run builds,
 with the network the task's :class:`~app.task.TaskSpec` names, and every tensor in the shape the network has.
 """
@@ -25,6 +26,9 @@ import os
 import pickle
 import re
 import tempfile
+import textwrap
+import zipfile
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -117,22 +121,69 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
             f"{path}: not a checkpoint: not a file torch.save writes; pass a .ckpt file, such as "
             "lightning_logs/version_N/checkpoints/last.ckpt"
         )
+    if head.startswith(b"PK"):
+        check_archive(path)
     try:
         loaded = torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as err:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
         raise UserError(
-            f"{path}: refused: it holds pickled Python objects, not only tensors and plain data, and nothing is "
-            "unpickled here (torch.load weights_only=True); re-save it from a state_dict"
+            f"{path}: refused: it holds pickled Python objects{f' ({found[1]})' if found else ''}, not only tensors "
+            "and plain data, and nothing is unpickled here (torch.load weights_only=True); re-save it from a "
+            "state_dict"
         ) from None
-    except Exception as err:  # truncated, or not a torch file at all
-        lines = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()
-        reason = lines[0][:100] if lines else "no details"
+    except EOFError:  # torch.save's older format (no zip archive), cut short
         raise UserError(
-            f"{path}: not a loadable checkpoint, truncated or corrupt ({type(err).__name__}: {reason})"
+            f"{path}: truncated: the file ends before the checkpoint does ({path.stat().st_size} bytes; a copy, "
+            "download or write that did not finish); pass another --ckpt_path, such as an earlier epoch=N.ckpt "
+            "beside it"
+        ) from None
+    except Exception as err:  # damaged where the archive's checksums do not reach, or not a torch file at all
+        lines = re.sub(r"\x1b\[[0-9;]*m", "", str(err)).strip().splitlines()
+        reason = textwrap.shorten(lines[0], 160, placeholder=" ...") if lines else "no details"
+        raise UserError(
+            f"{path}: not a loadable checkpoint, damaged or not written by torch.save ({type(err).__name__}: "
+            f"{reason}); pass another --ckpt_path, such as an earlier epoch=N.ckpt beside it"
         ) from None
     if isinstance(loaded, dict):
         check_digests(loaded, path)
     return loaded
+
+
+# The archive's records other than the tensors' bytes: the pickled structure (data.pkl: every key, number, string
+# and hyperparameter of the checkpoint) and torch's small metadata files. The tensors' bytes have the template's own
+# digests (tensor_digests); checking their CRC too would read the whole file once more.
+_STORAGE = re.compile(r"(^|/)data/\d+$")
+
+
+def check_archive(path: Path) -> None:
+    """A ``torch.save`` zip archive that is whole: its directory is there (torch.save writes it last, so a file cut
+    short has none) and its records other than the tensors' bytes match the CRC-32 the zip format keeps for each.
+
+    torch checks no CRC: one flipped byte in ``data.pkl`` was refused as "pickled Python objects", failed as
+    another error, or loaded with a value changed, depending on the byte; and a file cut short failed in torch with a
+    paragraph of its own (cut mid-word here), or an ``OSError: Invalid argument``."""
+    size = path.stat().st_size
+    try:
+        archive = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError, EOFError):
+        raise UserError(
+            f"{path}: truncated or damaged: the zip archive that torch.save writes ends without its directory "
+            f"({size} bytes; a copy, download or write that did not finish); pass another --ckpt_path, such as an "
+            "earlier epoch=N.ckpt beside it"
+        ) from None
+    with archive:
+        for record in archive.infolist():
+            if _STORAGE.search(record.filename):
+                continue
+            try:
+                archive.read(record)  # checks the record's CRC-32
+            except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError):
+                raise UserError(
+                    f"{path}: damaged: {record.filename.split('/', 1)[-1]} inside it no longer matches the checksum "
+                    "written with it (a disk, copy or transfer error); pass another --ckpt_path, such as an earlier "
+                    "epoch=N.ckpt beside it"
+                ) from None
 
 
 CHECKSUM_KEY = "template_checksum"

@@ -1,13 +1,20 @@
 """Library messages that say nothing to a user of this template, silenced one by one.
 
 Each filter matches one message from one module, and says why it is silenced; every other warning, the user's
-own included, still shows.
+own included, still shows. torch's C++ warnings cannot be matched by their text: the one kind silenced here
+(:func:`store_warnings_off`) is held back only around the calls that cause it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import logging
+import sys
+import threading
 import warnings
+from pathlib import Path
 
 
 class _DropMessage(logging.Filter):
@@ -56,6 +63,54 @@ def install() -> None:
     rank_zero.addFilter(_DropMessage("💡 Tip: For seamless cloud"))
     # The template's default RichModelSummary is there on purpose; Lightning notes that it adds no second one.
     rank_zero.addFilter(_DropMessage("Trainer already configured with model summary callbacks"))
+
+
+_c10_lock = threading.Lock()
+_c10_held = 0  # how many callers are inside store_warnings_off
+_c10_level_before = 0
+
+
+@functools.cache
+def _c10_log_level() -> ctypes.c_int | None:
+    """c10's C++ log threshold (``FLAGS_caffe2_log_level``: 0 info, 1 warning, 2 error), or None where not found."""
+    import torch
+
+    name = {"darwin": "libc10.dylib", "win32": "c10.dll"}.get(sys.platform, "libc10.so")
+    try:  # the library torch has loaded already: the same handle, the same variable
+        library = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / name))
+        return ctypes.c_int.in_dll(library, "FLAGS_caffe2_log_level")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def store_warnings_off():
+    """Inside: torch's C++ warnings are not printed (c10's log threshold is ERROR).
+
+    A call to a ``TCPStore`` whose host process is gone (rank 0 killed, its machine lost) prints a C++ warning of 16
+    lines, ``TCPStore.cpp:125] [c10d] recvValue failed ... Connection was likely closed`` and the native frames
+    under it, before it raises. The rank watchdog's heartbeat (app/callbacks/rank_watchdog.py) calls the store every
+    second and reads exactly that failure as "rank 0 is lost", which it says in one line of its own. A C++ log line
+    cannot be filtered by its text, only by its level, which is global: it is raised only for these calls (well under
+    a millisecond each, once a second; a store that hangs holds it until the watchdog's verdict), so a C++ warning
+    another thread prints in those moments is lost too; every error still shows."""
+    global _c10_held, _c10_level_before
+    level = _c10_log_level()
+    if level is None:
+        yield
+        return
+    with _c10_lock:
+        if _c10_held == 0:
+            _c10_level_before = level.value
+            level.value = max(level.value, 2)
+        _c10_held += 1
+    try:
+        yield
+    finally:
+        with _c10_lock:
+            _c10_held -= 1
+            if _c10_held == 0:
+                level.value = _c10_level_before
 
 
 class HeldRecords(logging.Filter):

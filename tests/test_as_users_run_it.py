@@ -579,7 +579,10 @@ def test_ctrl_c_in_a_terminal_says_what_it_does_above_the_bar(tmp_path):
     code, lines = screen(cmd, tmp_path, 160, ctrl_c_after=b"epoch 1 | train loss")
     text = "\n".join(lines)
     assert code == 130, text[-3000:]
-    received = "[rank 0] received SIGINT: stopping after this step with a checkpoint (Ctrl-C again: stop now)"
+    received = (
+        "[rank 0] received SIGINT: stopping after this step, with a checkpoint if every rank finishes it "
+        "(Ctrl-C again: stop now)"
+    )
     assert lines.count(received) == 1, text
     stopped = [i for i, line in enumerate(lines) if re.match(r"SIGINT: stopped (in the validation )?after step", line)]
     assert len(stopped) == 1 and lines.index(received) < stopped[0], text

@@ -115,6 +115,25 @@ def test_a_strategy_name_takes_the_strategy_options(flags, want, workdir, capsys
             "error: --trainer.callbacks: app.callbacks has no class 'SyncBN' "
             "(did you mean app.callbacks.SyncBatchNorm?);",
         ),
+        # options that may be left unset (Literal[...] | None, int | None, list[int] | None): a union of their own
+        (
+            ["--trainer.strategy=fsdp", "--trainer.strategy.reduce_dtype=int8"],
+            "error: --trainer.strategy.reduce_dtype=int8: must be one of float32, bfloat16, float16, float64;",
+        ),
+        (
+            ["--trainer.strategy=pipeline", "--trainer.strategy.stages=two"],
+            "error: --trainer.strategy.stages=two: expected a whole number;",
+        ),
+        (
+            ["--trainer.strategy=pipeline", "--trainer.strategy.balance=[a,b]"],
+            "error: --trainer.strategy.balance=['a', 'b']: expected a list of whole numbers;",
+        ),
+        (
+            ["--trainer.strategy=pipeline", "--trainer.devices=2", "--trainer.strategy.balance=[2,2,1]"],
+            "error: --trainer.strategy.balance=[2, 2, 1] gives the layers of 3 stages, one device each, but "
+            "--trainer.devices=2 cannot hold them (devices = stages x replicas); give 1 or 2 numbers, or use a "
+            "multiple of 3 devices",
+        ),
     ],
     ids=[
         "choice",
@@ -124,6 +143,10 @@ def test_a_strategy_name_takes_the_strategy_options(flags, want, workdir, capsys
         "whole number",
         "number",
         "class path",
+        "choice or unset",
+        "whole number or unset",
+        "list or unset",
+        "balance for other devices",
     ],  # fmt: skip
 )
 def test_a_wrong_option_of_a_strategy_or_callback_is_one_plain_line(flags, want, workdir, capsys):
@@ -170,6 +193,11 @@ YAML_MISTAKES = {
     "callback typo": (
         "trainer:\n  callbacks:\n    - class_path: app.callbacks.LRWarmup\n      init_args:\n        warmup_stepz: 3\n",
         "trainer.callbacks.init_args.warmup_stepz: LRWarmup has no option 'warmup_stepz' (did you mean warmup_steps?);",
+    ),
+    "choice or unset": (
+        "trainer:\n  strategy:\n    class_path: app.strategies.FSDPStrategy\n    init_args:\n"
+        "      reduce_dtype: int8\n",
+        "trainer.strategy.init_args.reduce_dtype: int8: must be one of float32, bfloat16, float16, float64;",
     ),
     "model typo": (
         "model:\n  class_path: tests.tiny.TinyClassifier\n  init_args:\n    widht: 3\n",

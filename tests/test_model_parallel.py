@@ -167,6 +167,33 @@ def test_fsdp_refuses_float16_mixed_precision_before_any_process_starts():
         strategy._configure_launcher()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
+def test_16_mixed_on_cpu_trains_as_bf16_mixed_under_fsdp_and_pipeline_alike(tmp_path, strategy):
+    """On CPU Lightning turns 16-mixed into bf16-mixed, with its own warning, for every strategy; the refusal is for
+    GPUs, where it would be float16 (the next test). docs/model-parallel.md listed 16-mixed among the pipeline's
+    refusals without saying so, while the run trained."""
+    output = fit(tmp_path / "runs", tmp_path, f"--trainer.strategy={strategy}", "--trainer.devices=2",
+                 "--trainer.precision=16-mixed", "--trainer.max_epochs=1")  # fmt: skip
+    assert "AMP with fp16 is not supported on CPU. Using `precision='bf16-mixed'` instead" in output, output[-3000:]
+    assert "epoch 0 | train loss" in output and "error" not in output.lower(), output[-3000:]
+    weights = last(tmp_path / "runs", 0)["state_dict"]
+    assert all(torch.isfinite(t).all() for t in weights.values() if t.is_floating_point())
+
+
+def test_pipeline_refuses_float16_mixed_precision_on_a_gpu_before_any_process_starts():
+    strategy = PipelineStrategy(stages=1, precision_plugin=MixedPrecision("16-mixed", "cuda", scaler=object()))
+    with pytest.raises(UserError, match="--trainer.strategy=pipeline with --trainer.precision=16-mixed: .* bf16-mixed"):
+        strategy._configure_launcher()
+
+
+def test_the_docs_list_16_mixed_among_the_pipelines_refusals_on_a_gpu_only():
+    """What the pipeline refuses, as docs/model-parallel.md says it, is what it refuses."""
+    pipeline = (ROOT / "docs" / "model-parallel.md").read_text().split("## pipeline", 1)[1]
+    refusals = " ".join(pipeline.split("- **Refused in one line**", 1)[1].split("\n- ")[0].split())  # one line
+    assert "`16-mixed` on a GPU" in refusals and "on CPU, Lightning itself runs `16-mixed` as `bf16-mixed`" in refusals
+
+
 def test_fsdp_dtypes_are_checked():
     with pytest.raises(UserError, match=r"--trainer.strategy.reduce_dtype=int8: use one of float32, bfloat16"):
         FSDPStrategy(reduce_dtype="int8")
@@ -241,7 +268,9 @@ def test_stages_get_contiguous_layers_balanced_by_parameters():
         ({"stages": 0}, 2, r"--trainer.strategy.stages=0: use a whole number >= 1"),
         ({"schedule": "zb"}, 2, r"--trainer.strategy.schedule=zb: use one of gpipe, 1f1b"),
         ({"balance": [3, 0]}, 2, r"--trainer.strategy.balance=\[3, 0\]: give the layers of each stage"),
-        ({"balance": [3, 4], "stages": 3}, 2, r"gives 2 stages, stages=3"),
+        ({"balance": [3, 4], "stages": 3}, 2, r"=\[3, 4\] gives the layers of 2 stages, but --trainer.strategy.stag"),
+        ({"balance": [2, 2, 1]}, 2, r"balance=\[2, 2, 1\] gives the layers of 3 stages, one device each, but --trai"),
+        ({"balance": [2, 2, 1]}, 4, r"--trainer.devices=4 cannot hold them .*; give 1, 2 or 4 numbers, or use a mul"),
     ],
 )
 def test_pipeline_layouts_that_cannot_work_are_one_line_before_anything_starts(options, devices, message):
@@ -398,3 +427,92 @@ def test_a_forks_own_task_from_its_own_script_trains_under_fsdp_and_resumes_unde
     last = torch.load(runs / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)
     assert last["global_step"] == 2 * 96 // 16  # two epochs at the global batch of 2 x 8
     assert any(p.name.startswith("epoch=1-val_mse=") for p in (runs / "version_1" / "checkpoints").iterdir())
+
+
+# ------------------------------------------------------------------------------------------------ a lost rank
+def fault(**init_args) -> str:
+    return "--trainer.callbacks+=" + json.dumps({"class_path": "tests.faults.Fault", "init_args": init_args})
+
+
+def lose_a_rank(tmp_path: Path, *args: str, torchrun: bool = False) -> tuple[int, str]:
+    """cli.py fit on 2 processes in a fresh interpreter (a rank killed is a real process), to the end of the last
+    rank: under Lightning's launcher rank 0 is the process started here, and rank 1 may outlive it."""
+    command = [sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(TINY_CONFIG), "--trainer.devices=2"]
+    environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if torchrun:  # as docs/elastic.md runs it, on one node
+        from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+        command[1:1] = ["-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2", "--max-restarts=1"]
+        command[6:6] = ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{find_free_network_port()}"]
+        environment["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    result = subprocess.run(
+        [*command, "--watchdog.timeout=10", f"--trainer.default_root_dir={tmp_path}", *args],
+        cwd=tmp_path, env=environment, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.slow
+def test_a_rank_lost_after_a_sigterm_does_not_leave_the_checkpoint_promised(tmp_path):
+    """torchrun's agent sends the other workers SIGTERM when one dies, often before the watchdog's verdict: the
+    survivor said "received SIGTERM: stopping after this step with a checkpoint", then stopped without one. Here
+    rank 0 gets a SIGTERM after step 9 and rank 1 is killed after step 10, before the ranks agreed on the stop."""
+    code, output = lose_a_rank(
+        tmp_path, "--trainer.strategy=fsdp", fault(at="step", step=9, action="sigterm", rank=0),
+        fault(at="step", step=10, action="kill", rank=1),
+    )  # fmt: skip
+    assert code == 1, output[-3000:]
+    assert "[rank 0] received SIGTERM: stopping after this step, with a checkpoint if every rank finishes it" in output
+    assert "stopping after this step with a checkpoint" not in output  # the promise, as it was
+    lost = re.search(r"error: \[rank 0\] lost rank 1: .*", output)
+    assert lost and "Stopping this rank (exit 1) without the checkpoint SIGTERM asked for: it needs" in lost[0], output
+    assert "last.ckpt is intact: restart with the same command plus --ckpt_path last" in lost[0], output[-3000:]
+    assert "stopped after step" not in output  # no checkpoint of the stop
+    assert last(tmp_path, 0)["global_step"] == 8  # the epoch's
+
+
+@pytest.mark.slow
+def test_rank_0_lost_under_fsdp_is_one_line_without_torchs_cpp_frames(tmp_path):
+    """rank 0 hosts the rendezvous store: the watchdog's next call to it failed, and torch printed a C++ warning of
+    16 lines (TCPStore.cpp ... recvValue failed, then native frames) before the one line that says what happened."""
+    code, output = lose_a_rank(tmp_path, "--trainer.strategy=fsdp", fault(at="step", step=10, action="kill", rank=0))
+    assert code == -9, output[-3000:]  # rank 0 itself; rank 1 ran to its end first (the pipes stayed open)
+    assert re.search(r"error: \[rank 1\] lost rank 0: the rendezvous store on rank 0 stopped answering", output), (
+        output[-3000:]
+    )
+    assert "TCPStore.cpp" not in output and "frame #" not in output, output[-3000:]
+
+
+@pytest.mark.slow
+def test_a_pipeline_stage_lost_under_torchrun_restarts_says_once_that_no_state_is_saved(tmp_path):
+    """Under a restarting launcher a survivor saves its state when its next collective fails; a pipeline's survivor
+    cannot (the lost stage's layers are gone), and the watchdog said "Saving this rank's state first" before the
+    Elastic callback said "none is saved here". Rank 0 computes 3 s more after rank 1 dies, so the watchdog's verdict
+    comes first; torchrun's restart then goes on from the epoch's last.ckpt."""
+    code, output = lose_a_rank(
+        tmp_path, "--trainer.strategy=pipeline", fault(at="step", step=10, action="kill", rank=1),
+        fault(at="next_batch", step=10, action="pause", seconds=3, rank=0), torchrun=True,
+    )  # fmt: skip
+    assert code == 0, output[-4000:]
+    assert re.search(r"error: \[rank 0\] lost rank 1: .*\. Stopping this rank when its next collective fails", output)
+    assert "so none is saved here; a restart goes on from the last checkpoint written" in output, output[-4000:]
+    assert "Saving this rank's state" not in output and "Saved the state" not in output
+    assert "stopping after this step with a checkpoint" not in output  # torchrun's SIGTERM to the survivor
+    assert "torchrun restart 1 of at most 1" in output and last(tmp_path, 0)["global_step"] == 16
+
+
+@pytest.mark.slow
+def test_a_pipeline_run_says_which_layers_each_stage_holds_and_its_first_stage_runs_each_step_twice(
+    tmp_path, monkeypatch
+):
+    """One line, from rank 0, names each stage's layers as the network names them (the pipeline's cut was
+    unstated). The first stage runs training_step once to find the network's input and once more with the output
+    given, for each of the 4 micro-batches of each of the 8 steps; the last stage once (docs/model-parallel.md)."""
+    monkeypatch.setenv("STEP_CALLS_DIR", str(tmp_path))
+    output = fit(tmp_path / "runs", tmp_path, "--trainer.strategy=pipeline", "--trainer.devices=2",
+                 "--trainer.strategy.balance=[4,3]", "--model=tests.step_calls.CountingClassifier",
+                 "--trainer.max_epochs=1")  # fmt: skip
+    line = "pipeline: stage 0: conv1, norm1, relu, block0 (348 parameters) | stage 1: block1, flatten, head (1,332 "
+    assert output.count(line + "parameters)") == 1, output[-3000:]
+    calls = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text())["training_step"] for rank in (0, 1)}
+    assert calls == {0: 2 * 4 * 8, 1: 4 * 8}

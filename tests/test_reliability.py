@@ -6,6 +6,7 @@ matter), on the tests' own task (tests/tiny.yaml), and every wait is bounded so 
 
 import contextlib
 import csv
+import io
 import json
 import multiprocessing
 import os
@@ -13,9 +14,11 @@ import random
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import time
+import zipfile
 from functools import cache
 from pathlib import Path
 
@@ -566,7 +569,11 @@ BAD_INPUT = {
         ["--ckpt_path=nothere.ckpt"],
         ("nothere.ckpt: no such checkpoint file", "<default_root_dir>"),
     ),
-    "truncated checkpoint": (["--ckpt_path=truncated.ckpt"], "truncated.ckpt: not a loadable checkpoint"),
+    "truncated checkpoint": (
+        ["--ckpt_path=truncated.ckpt"],
+        ("truncated.ckpt: truncated or damaged", "pass another --ckpt_path, such as an earlier epoch=N.ckpt beside it"),
+    ),
+    "flipped byte in data.pkl": (["--ckpt_path=flipped.ckpt"], "flipped.ckpt: damaged: data.pkl inside it no longer"),
     "pickled object in checkpoint": (["--ckpt_path=pickled.ckpt"], "pickled.ckpt: refused: it holds pickled"),
     "text file as checkpoint": (["--ckpt_path=typo.yaml"], "typo.yaml: not a checkpoint: not a file torch.save"),
     "other class count": (["--ckpt_path=other.ckpt"], "other.ckpt: its weights do not fit this network"),
@@ -603,6 +610,7 @@ def bad_input_dir(tmp_path_factory):
     good = cwd / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     shutil.copy(good, cwd / "good.ckpt")
     (cwd / "truncated.ckpt").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    (cwd / "flipped.ckpt").write_bytes(flipped(good.read_bytes(), "data.pkl", 0))  # its pickle protocol byte
     (cwd / "empty.ckpt").touch()
     checkpoint = torch.load(good, weights_only=True)
     torch.save(
@@ -617,6 +625,18 @@ def bad_input_dir(tmp_path_factory):
     (cwd / "timeout.yaml").write_text(strategy + "      timeout: -5\n")
     (cwd / "broken.yaml").write_text("trainer:\n  max_epochs: [3\n")
     return cwd
+
+
+def flipped(data: bytes, record: str, at: int) -> bytes:
+    """A torch.save zip archive with byte ``at`` of ``record`` (``data.pkl``: the pickled structure) inverted."""
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        [info] = [i for i in archive.infolist() if i.filename.endswith(f"/{record}")]
+    header = info.header_offset
+    name, extra = struct.unpack("<HH", data[header + 26 : header + 30])  # the local file header's lengths
+    start = header + 30 + name + extra
+    changed = bytearray(data)
+    changed[start + at] ^= 0xFF
+    return bytes(changed)
 
 
 class _Payload:
@@ -673,6 +693,59 @@ def test_a_checkpoint_damaged_inside_is_refused_naming_the_file(tmp_path):
     edited["state_dict"] = {"w": loaded["state_dict"]["w"]}
     torch.save(edited, tmp_path / "edited.ckpt")
     assert load_checkpoint(tmp_path / "edited.ckpt")["epoch"] == 3
+
+
+def test_a_checkpoint_cut_short_or_with_a_flipped_byte_outside_its_tensors_is_named_damaged(tmp_path):
+    """torch checks no CRC: one flipped byte in data.pkl (the pickled keys, numbers and hyperparameters) was refused
+    as "holds pickled Python objects ... re-save it from a state_dict", failed as a UnicodeDecodeError, or loaded
+    with a value changed, depending on the byte; a file cut short got torch's paragraph cut at 100 characters
+    ("... This is an interna)") or "OSError: [Errno 22] Invalid argument". Every byte of data.pkl, and cuts at
+    several lengths, now say what happened, in whole words, and what to do."""
+    from app.checkpoint_io import SafeCheckpointIO
+
+    path = tmp_path / "last.ckpt"
+    SafeCheckpointIO().save_checkpoint({"state_dict": {"w": torch.randn(64, 64)}, "epoch": 3, "lr": 0.1}, path)
+    good = path.read_bytes()
+    with zipfile.ZipFile(path) as archive:
+        [pickled] = [i.file_size for i in archive.infolist() if i.filename.endswith("/data.pkl")]
+    advice = "; pass another --ckpt_path, such as an earlier epoch=N.ckpt beside it"
+    for at in range(pickled):
+        path.write_bytes(flipped(good, "data.pkl", at))
+        with pytest.raises(UserError) as error:
+            load_checkpoint(path)
+        assert str(error.value) == (
+            f"{path}: damaged: data.pkl inside it no longer matches the checksum written with it (a disk, copy or "
+            f"transfer error){advice}"
+        ), at
+    for size in (2, 99, 4173, len(good) // 2, len(good) - 1):
+        path.write_bytes(good[:size])
+        with pytest.raises(UserError) as error:
+            load_checkpoint(path)
+        assert str(error.value).startswith(f"{path}: truncated or damaged: ") and str(error.value).endswith(advice)
+        assert f"({size} bytes; " in str(error.value)
+    torch.save({"w": torch.ones(3)}, path, _use_new_zipfile_serialization=False)  # torch's format before the zip
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(UserError, match=r"ckpt: truncated: the file ends before the checkpoint does .*beside it$"):
+        load_checkpoint(path)
+
+
+def test_a_long_load_error_is_shortened_at_a_word(tmp_path, monkeypatch):
+    """What torch says of a file it cannot load, when the checks before it found nothing, is cut at a word."""
+    from app import checkpoint_io
+
+    path = tmp_path / "last.ckpt"
+    torch.save({"w": torch.ones(3)}, path)
+    miniz = (
+        "PytorchStreamReader failed reading zip archive: failed finding central directory. This is an internal miniz "
+        "error. If you are seeing this error, there is a high likelihood that your checkpoint file is corrupted."
+    )
+    monkeypatch.setattr(checkpoint_io.torch, "load", lambda *a, **k: _raise(RuntimeError(miniz)))
+    with pytest.raises(UserError) as error:
+        load_checkpoint(path)
+    reason = re.search(
+        r"\(RuntimeError: (.*)\); pass another --ckpt_path, such as an earlier epoch=N.ckpt", str(error.value)
+    )
+    assert reason and reason[1].endswith(" ...") and miniz.startswith(reason[1][:-4] + " "), str(error.value)
 
 
 def test_bad_input_found_after_a_new_root_folder_was_made_leaves_no_folder(tmp_path, monkeypatch, capsys):

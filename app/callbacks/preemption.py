@@ -138,7 +138,9 @@ class Preemption(Callback):
             raise Preempted(signum, checkpointed=False)
         self.received = signum
         name = signal.Signals(signum).name
-        message = f"[rank {self._rank}] received {name}: stopping after this step with a checkpoint"
+        # (a checkpoint needs every rank: a launcher that lost one worker sends the others SIGTERM, torchrun does)
+        message = f"[rank {self._rank}] received {name}: stopping after this step, with a checkpoint if every rank "
+        message += "finishes it"
         message += " (Ctrl-C again: stop now)" if signum == signal.SIGINT else ""
         if self._trainer is not None and live_bar_console(self._trainer) is not None:
             self._announce = message  # printed above the bar after this step: a line written now would be drawn over

@@ -18,6 +18,9 @@ and exits with code 1; it cannot raise into a main thread that is blocked inside
 collective. Under a restarting launcher the :class:`~app.callbacks.Elastic` callback first saves this survivor's
 state when its next collective fails: the verdict waits for that (up to ``timeout`` seconds), so a survivor that was
 computing when the peer died (a long backward before the first gradient bucket) is not ended before it could save.
+Under ``fsdp`` and ``pipeline`` no survivor holds the whole state: the verdict then promises no save, and the Elastic
+callback says that none is written. A stop signal that came first (torchrun's agent sends the other workers SIGTERM
+when one dies) announced a checkpoint if every rank finished the step; the verdict says it is not written.
 A rank that finishes marks itself done, so an early finisher is never taken for a dead one.
 """
 
@@ -37,9 +40,11 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
+from app.callbacks.preemption import Preemption
 from app.elastic import restarts_left
 from app.errors import UserError
 from app.lightning_internals import take_over_local_ranks
+from app.quiet import store_warnings_off
 from app.strategies.launch import process_alive
 
 EXIT_CODE = 1
@@ -145,18 +150,20 @@ class Heartbeat(threading.Thread):
     def _exchange(self, peers: list[int], host: str, pids: dict[int, int], outcome: dict) -> None:
         """One heartbeat: bump this rank's counter, read the peers' (and their pids, once). Fills ``outcome``."""
         try:
-            self.store.add(self._key("beat", self.rank), 1)
-            outcome["beats"] = {r: self.store.add(self._key("beat", r), 0) for r in peers}
-            for r in peers:
-                if r not in pids and self.store.check([self._key("pid", r)]):
-                    peer_host, pid = self.store.get(self._key("pid", r)).decode().rsplit(":", 1)
-                    pids[r] = int(pid) if peer_host == host else 0
+            with store_warnings_off():  # its failure (the store's host is gone) is a verdict, said in one line
+                self.store.add(self._key("beat", self.rank), 1)
+                outcome["beats"] = {r: self.store.add(self._key("beat", r), 0) for r in peers}
+                for r in peers:
+                    if r not in pids and self.store.check([self._key("pid", r)]):
+                        peer_host, pid = self.store.get(self._key("pid", r)).decode().rsplit(":", 1)
+                        pids[r] = int(pid) if peer_host == host else 0
         except Exception as err:  # noqa: BLE001 (the store's host is gone, or the network)
             outcome["error"] = err
 
     def _finished(self, rank: int) -> bool:
         try:
-            beat = self.store.add(self._key("beat", rank), 0)
+            with store_warnings_off():
+                beat = self.store.add(self._key("beat", rank), 0)
         except Exception:  # noqa: BLE001
             return False
         return beat < 0 and not _failed(beat)
@@ -170,7 +177,7 @@ class Heartbeat(threading.Thread):
     def finish(self, failed: bool = False) -> None:
         """This rank is done (``failed``: it leaves with an error): peers stop watching it, and this thread stops."""
         self._halt.set()
-        with contextlib.suppress(Exception):  # the store may already be gone at the very end
+        with contextlib.suppress(Exception), store_warnings_off():  # the store may already be gone at the very end
             self.store.add(self._key("beat", self.rank), FAILED if failed else DONE)
 
 
@@ -214,6 +221,8 @@ class RankWatchdog(Callback):
         self._save: threading.Event | None = None  # set when the survivor's save (expect_save) is over
         self.before_exit: list = []  # callables run before the verdict ends the process (the CLI's run folder)
         self._save_reported = False
+        self._strategy = None  # what the verdict's line says depends on it (sharded or not)
+        self._preemption: Preemption | None = None  # a stop signal it received changes what the verdict says
 
     def __getstate__(self) -> dict:
         # The horovod self-launch pickles the trainer into its ranks: the launching process's cleanups stay there.
@@ -227,6 +236,8 @@ class RankWatchdog(Callback):
             return
         self._children = take_over_local_ranks(trainer)  # Lightning's observer would SIGKILL everything first
         self._checkpointer = trainer.checkpoint_callback  # its dirpath is known only later
+        self._strategy = trainer.strategy
+        self._preemption = next((c for c in trainer.callbacks if isinstance(c, Preemption)), None)
         self._heartbeat = Heartbeat(
             store, trainer.global_rank, trainer.world_size, self.timeout, self.interval, f"rank-watchdog/{stage}"
         )
@@ -242,12 +253,18 @@ class RankWatchdog(Callback):
             self._end()
         if save is not None and not save.is_set():
             # The main thread may be computing (no collective yet) or inside the collective that is failing: its
-            # exception reaches the Elastic callback, which writes the state of the last step and says what next.
-            _say(f"{lost} Saving this rank's state first (when its next collective fails, within {self.timeout:g} s)")
+            # exception reaches the Elastic callback, which writes the state of the last step (or, under fsdp and
+            # pipeline, says why it cannot: the lost rank's part of the state is gone) and says what next.
+            when = f"when its next collective fails, within {self.timeout:g} s"
+            if self._sharded():
+                _say(f"{lost} Stopping this rank {when}")
+            else:
+                _say(f"{lost} Saving this rank's state first ({when})")
             if not save.wait(self.timeout):
                 lost = (
-                    f"error: [rank {me}] could not save its state: no collective failed within {self.timeout:g} s "
-                    "(one that hangs: a peer's host that is gone without closing its connections)."
+                    f"error: [rank {me}] {'' if self._sharded() else 'could not save its state: '}no collective "
+                    f"failed within {self.timeout:g} s (one that hangs: a peer's host that is gone without closing "
+                    "its connections)."
                 )
             elif self._save_reported:
                 self._end()  # the state is written (or it said why not), and what comes next
@@ -255,8 +272,20 @@ class RankWatchdog(Callback):
                 lost = f"error: [rank {me}]"
         folder = getattr(self._checkpointer, "dirpath", None)
         advice = what_next(Path(folder) / "last.ckpt" if folder else None)
-        _say(f"{lost} Stopping this rank (exit {EXIT_CODE}). {advice}")
+        _say(f"{lost} Stopping this rank (exit {EXIT_CODE}){self._no_signal_checkpoint()}. {advice}")
         self._end()
+
+    def _sharded(self) -> bool:
+        """fsdp, pipeline: each rank holds a part of the state, and a lost rank's part is gone (nothing to save)."""
+        return bool(getattr(self._strategy, "sharded", False))
+
+    def _no_signal_checkpoint(self) -> str:
+        """A stop signal came first (a launcher stops the other workers when one dies: torchrun, srun), and its
+        line said a checkpoint follows once every rank has finished the step: one rank never will."""
+        signum = getattr(self._preemption, "received", 0)
+        if not signum:
+            return ""
+        return f" without the checkpoint {signal.Signals(signum).name} asked for: it needs every rank"
 
     def _end(self) -> None:
         for process in self._children:  # the local ranks this process started

@@ -24,7 +24,13 @@ up to the network's call, runs the network through the pipeline, and then runs t
 with the network's output given (on the last stage with its gradient, which the schedule sends back through the
 stages; on the other stages with the output sent to them, so every process logs the same values). So a step must
 compute only: update metrics and log per micro-batch (as the example does in ``on_*_batch_end``, or with batch
-sizes given), and keep state changes out of it.
+sizes given), and keep state changes out of it. The first stage runs the step twice per micro-batch: the code before
+the network's call twice, the rest once (every other stage: once); that code must draw no random numbers either (the
+input is built from stage 0's draw, the loss from the last stage's). Running it once would mean suspending the step
+at the network's call while the schedule runs every micro-batch: only a thread per micro-batch can, and grad mode,
+autocast and the CUDA stream are per thread.
+
+Rank 0 says in one line which layers went to which stage, with their parameters (:func:`stages_line`).
 
 It trains like one device on the same global batch for a network without batch statistics (float64 parity in
 tests/test_strategies.py); BatchNorm normalises each micro-batch on its own. Checkpoints hold one full state dict
@@ -39,6 +45,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed import default_pg_timeout
 
@@ -108,8 +115,13 @@ class PipelineStrategy(SplitModelStrategy):
         if balance is not None and (not balance or any(n < 1 for n in balance)):
             raise UserError(f"--trainer.strategy.balance={balance}: give the layers of each stage, each >= 1")
         if balance is not None and stages is not None and len(balance) != stages:
-            raise UserError(f"--trainer.strategy.balance={balance} gives {len(balance)} stages, stages={stages}")
+            raise UserError(
+                f"--trainer.strategy.balance={balance} gives the layers of {len(balance)} stages, but "
+                f"--trainer.strategy.stages={stages}; give {stages} numbers, one per stage (or leave stages out: "
+                "balance then sets it)"
+            )
         self._stages = stages or (len(balance) if balance else None)
+        self._stages_given = stages is not None
         self.microbatches, self.schedule, self.balance = microbatches, schedule, balance
         self._pipeline: _Pipeline | None = None
         self._example_input = None  # the module's example_input_array, put back after the run
@@ -143,6 +155,16 @@ class PipelineStrategy(SplitModelStrategy):
 
     def _configure_launcher(self) -> None:  # Lightning calls it when the Trainer is made: before any launch
         world = self.num_processes * self.num_nodes
+        if world % self.stages and self.balance and not self._stages_given:  # the stages are balance's entries
+            devices = f"--trainer.devices={self.num_processes}"
+            devices += f" x --trainer.num_nodes={self.num_nodes} ({world} devices)" if self.num_nodes > 1 else ""
+            fits = [str(n) for n in range(1, world + 1) if world % n == 0]  # stage counts these devices can hold
+            numbers = f"{', '.join(fits[:-1])} or {fits[-1]} numbers" if len(fits) > 1 else "1 number"
+            raise UserError(
+                f"--trainer.strategy.balance={self.balance} gives the layers of {len(self.balance)} stages, one "
+                f"device each, but {devices} cannot hold them (devices = stages x replicas); give {numbers}, or use "
+                f"a multiple of {len(self.balance)} devices"
+            )
         if world % self.stages:
             raise UserError(
                 f"--trainer.strategy=pipeline: {world} devices cannot hold pipelines of {self.stages} stages; use a "
@@ -267,6 +289,7 @@ class _Pipeline:
                 f"--trainer.strategy.balance={counts}: give {stages} numbers of layers (one per stage) that add up "
                 f"to the network's {len(layers)} layers"
             )
+        rank_zero_info(stages_line(self.net, layers, counts, strategy.world_size // stages))
         start = sum(counts[: strategy.stage])
         self.layers = layers[start : start + counts[strategy.stage]]
         self.module = nn.Sequential(*self.layers)  # this stage's layers: the same modules, not copies
@@ -482,6 +505,21 @@ def layers_of(net: nn.Module) -> list[nn.Module]:
         f"--trainer.strategy=pipeline: {type(net).__name__} is not an nn.Sequential, so its layers are unknown; give "
         "it a pipeline_layers() method that returns them in the order its forward runs them"
     )
+
+
+def stages_line(net: nn.Module, layers: list[nn.Module], counts: list[int], replicas: int = 1) -> str:
+    """Which layers went to which stage, by their names in the network (``pipeline: stage 0: conv1, ... | stage 1:
+    ...``), and the parameters each stage holds: the default split balances those."""
+    names = {id(module): name for name, module in net.named_modules() if name}
+    parts, start = [], 0
+    for stage, count in enumerate(counts):
+        held = layers[start : start + count]
+        label = ", ".join(names.get(id(layer)) or type(layer).__name__.lower() for layer in held)  # (the Flatten)
+        parameters = sum(p.numel() for layer in held for p in layer.parameters())
+        parts.append(f"stage {stage}: {label} ({parameters:,} parameters)")
+        start += count
+    layout = f" ({len(counts)} stages x {replicas} replicas)" if replicas > 1 else ""
+    return f"pipeline{layout}: {' | '.join(parts)}"
 
 
 def balanced(layers: list[nn.Module], stages: int) -> list[int]:

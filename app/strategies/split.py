@@ -40,6 +40,8 @@ class SplitModelStrategy(DDPStrategy):
         )
 
     def _configure_launcher(self) -> None:  # Lightning calls it when the Trainer is made: before any launch
+        # A GPU's 16-mixed only: on CPU Lightning has made it bf16-mixed by now (with its own warning), as it does
+        # for every strategy, and bf16 needs no loss scaling
         if str(self.precision_plugin.precision) == "16-mixed":
             raise UserError(
                 f"--trainer.strategy={self.strategy_name} with --trainer.precision=16-mixed: float16's loss scaling "
