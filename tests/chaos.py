@@ -12,11 +12,15 @@ inside a window, in validation, during a save; SIGTERM to the launcher (the same
 ``--ckpt_path last``, on all three ranks).
 
 Each fault acts at a named point after a given optimizer step, once (a file marks it done, across restarts). The
-finished run must be what an unbroken one is: every sample of every epoch trained exactly once (by the starts that
-completed each step, read from the samples each rank recorded), the configured global batch at every step, the same
-number of optimizer steps and of validation rows, one ``metrics.csv`` row per step and metric, the best checkpoint
-by its metric, exit 0. The script prints the schedule and the figures docs/elastic.md quotes: faults survived, steps
-done again, seconds lost per fault (against an unbroken run of the same job, with ``--baseline``).
+finished run must be what an unbroken one is: the same weights (float64, GroupNorm: equal up to the rounding of sums
+taken in another order, whatever world sizes the faults went through) and the same loss at every optimizer step as
+an unbroken run of the job; every sample of every epoch trained exactly once (by the starts that completed each
+step, read from the samples each rank recorded), the configured global batch at every step, the same number of
+optimizer steps and of validation rows, one ``metrics.csv`` row per step and metric, the best checkpoint by its
+metric, exit 0. ``--perturb`` breaks every restore on purpose (weights moved by 0.05, optimizer state dropped:
+tests.faults.PerturbRestore), which the check must catch. The script prints the schedule and the figures
+docs/elastic.md quotes: faults survived, steps done again, how far from the unbroken run's weights and losses, seconds
+lost per fault (against an unbroken run of the same job, with ``--baseline``).
 """
 
 from __future__ import annotations
@@ -37,10 +41,13 @@ from pathlib import Path
 
 import torch
 
+from tests.record_samples import read_records, step_losses
+
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLES = 48  # the training set
 DEVICE_BATCH = 2
 ACCUMULATE = 2  # as configured, at the configured number of devices
+TOLERANCE = 1e-9  # float64: what sums in another order (another world size) leave; a real change is far above it
 MPI_ENV = {
     "OMPI_ALLOW_RUN_AS_ROOT": "1",
     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
@@ -89,6 +96,7 @@ class Job:
     epochs: int
     folder: Path
     kinds: tuple[str, ...] = tuple(KINDS)  # the kinds of fault the schedule draws from
+    perturb: bool = False  # break every restore (tests.faults.PerturbRestore): the check must fail
     devices: int = field(init=False)
     schedule: list[Fault] = field(default_factory=list)
 
@@ -108,26 +116,42 @@ class Job:
     def steps(self) -> int:
         return self.steps_per_epoch * self.epochs
 
-    def args(self, *more: str) -> list[str]:
-        record = {"class_path": "tests.record_samples.RecordSamples", "init_args": {"folder": str(self.folder / "rec")}}
-        args = [
-            *(
-                str(ROOT / "cli.py"),
-                "fit",
-                "--config",
-                str(ROOT / "tests" / "tiny.yaml"),
-                f"--data.train_size={SAMPLES}",
-            ),
-            *(f"--data.batch_size={DEVICE_BATCH}", f"--trainer.accumulate_grad_batches={ACCUMULATE}"),
+    def task_args(self, folder: Path, accumulate: int = ACCUMULATE) -> list[str]:
+        """The job's training, whatever launches it: its records and runs go into ``folder``."""
+        record = {"class_path": "tests.record_samples.RecordSamples", "init_args": {"folder": str(folder / "rec")}}
+        return [
+            *(str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "tests" / "tiny.yaml")),
+            # float64 and GroupNorm: a step at any world size computes what one device computes, up to rounding
+            *("--trainer.precision=64-true", "--model.norm=group", f"--data.train_size={SAMPLES}"),
+            *(f"--data.batch_size={DEVICE_BATCH}", f"--trainer.accumulate_grad_batches={accumulate}"),
             *(
                 "--trainer.limit_train_batches=null",
                 "--trainer.limit_val_batches=4",
                 f"--trainer.max_epochs={self.epochs}",
             ),
-            *(f"--trainer.default_root_dir={self.folder / 'runs'}", "--watchdog.timeout=20"),
+            *(f"--trainer.default_root_dir={folder / 'runs'}", "--watchdog.timeout=20"),
             "--trainer.callbacks+=" + json.dumps(record),
+        ]
+
+    def reference(self, timeout: float) -> Path:
+        """The unbroken run of the job: one process, the same global batch (more accumulation); its folder."""
+        folder = self.folder / "unbroken"
+        folder.mkdir(exist_ok=True)
+        args = self.task_args(folder, accumulate=ACCUMULATE * self.devices)
+        with (folder / "run.log").open("w") as log:
+            code = subprocess.run(
+                [sys.executable, *args], cwd=folder, env=environ(), stdout=log, stderr=log, timeout=timeout
+            ).returncode
+        assert code == 0, (folder / "run.log").read_text()[-3000:]
+        return folder
+
+    def args(self, *more: str) -> list[str]:
+        args = [
+            *self.task_args(self.folder),
             *("--trainer.callbacks+=" + json.dumps(f.callback()) for f in self.schedule),
         ]
+        if self.perturb:
+            args.append("--trainer.callbacks+=tests.faults.PerturbRestore")
         if self.launcher == "horovod":
             losses = sum(f.kind.startswith("lose") for f in self.schedule)
             args += ["--trainer.strategy=horovod", f"--trainer.devices={self.devices}"]
@@ -278,10 +302,6 @@ class Horovod:
 
 
 # ------------------------------------------------------------------------------------------------ checking the run
-def read_records(folder: Path) -> list[dict]:
-    return [json.loads(line) for path in sorted(folder.glob("*.jsonl")) for line in path.read_text().splitlines()]
-
-
 def committed(records: list[dict]) -> dict[int, list[dict]]:
     """For each optimizer step, the batches of the start that completed it: the latest start that trained it (an
     earlier start that began the step and failed had its batches done again)."""
@@ -305,11 +325,32 @@ def metrics_rows(runs: Path, folders: list[Path] | None = None) -> list[dict]:
     return rows
 
 
+def last_checkpoint(runs: Path) -> dict:
+    folders = sorted((runs / "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    return torch.load(folders[-1] / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+
+
+def check_trained(job: Job, unbroken: Path) -> dict:
+    """Assert that the run trained what the unbroken run (:meth:`Job.reference`) trained: the same loss at every
+    optimizer step and the same final weights, within :data:`TOLERANCE`; returns the largest differences."""
+    expected, got = step_losses(unbroken / "rec"), step_losses(job.folder / "rec")
+    assert sorted(got) == sorted(expected) == list(range(job.steps)), (sorted(got), sorted(expected))
+    loss = max(abs(got[step] - expected[step]) for step in expected)
+    worst = max(expected, key=lambda step: abs(got[step] - expected[step]))
+    assert loss <= TOLERANCE, f"step {worst}: loss {got[worst]!r}, unbroken {expected[worst]!r}"
+    mine, theirs = last_checkpoint(job.folder / "runs")["state_dict"], last_checkpoint(unbroken / "runs")["state_dict"]
+    assert mine.keys() == theirs.keys()
+    weights = {name: (mine[name].double() - theirs[name].double()).abs().max().item() for name in theirs}
+    name = max(weights, key=weights.get)
+    assert weights[name] <= TOLERANCE, f"{name}: {weights[name]:.3g} away from the unbroken run's ({len(weights)})"
+    return {"loss_diff": loss, "weight_diff": weights[name]}
+
+
 def check(job: Job) -> dict:
     """Assert that the finished run is what an unbroken run of the job trains; returns the figures."""
     runs = job.folder / "runs" / "lightning_logs"
     folders = sorted(runs.glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
-    last = torch.load(folders[-1] / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    last = last_checkpoint(job.folder / "runs")
     assert last["global_step"] == job.steps, f"ended at step {last['global_step']}, an unbroken run at {job.steps}"
 
     records = read_records(job.folder / "rec")
@@ -372,20 +413,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS), help="the faults to draw from")
     parser.add_argument("--baseline", action="store_true", help="also time the job without faults")
     parser.add_argument("--keep", type=Path, help="a folder for the runs and logs (default: a temporary one)")
+    parser.add_argument("--perturb", action="store_true", help="break every restore: the check must fail")
     args = parser.parse_args(argv)
     folder = args.keep or Path(tempfile.mkdtemp(prefix="chaos-"))
     folder.mkdir(parents=True, exist_ok=True)
-    job = Job(args.launcher, args.seed, args.faults, args.epochs, folder, tuple(args.kinds))
+    job = Job(args.launcher, args.seed, args.faults, args.epochs, folder, tuple(args.kinds), perturb=args.perturb)
     print(f"{args.launcher}, seed {args.seed}: {job.steps} steps, global batch {job.global_batch}; faults:")
     for fault in job.schedule:
         rank = f" rank {fault.rank}" if fault.rank >= 0 else ""
         print(f"  step {fault.step:3d}  world {fault.world}  {fault.kind}{rank}")
     code, seconds = run(job, args.timeout)
     assert code == 0, f"exit {code}; logs in {folder}"
-    figures = check(job)
+    figures = check(job) | check_trained(job, job.reference(args.timeout))
     line = (
         f"ok: {figures['faults']} faults survived, {figures['starts']} starts, {figures['redone']} step(s) done again"
     )
+    line += f"; weights within {figures['weight_diff']:.1e} and losses within {figures['loss_diff']:.1e} of unbroken"
     line += f", {seconds:.1f} s"
     if args.baseline:
         calm = Job(args.launcher, args.seed, 0, args.epochs, folder / "baseline")

@@ -166,3 +166,20 @@ def _kill_at_checkpoint_replace(after: bool) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     os.replace = replace_then_kill
+
+
+class PerturbRestore(Callback):
+    """A broken restore, to prove that the chaos check notices one: every resumed or restarted run gets its weights
+    moved by ``shift`` and its optimizer's state (momentum) dropped, as a loader that mangles checkpoints would."""
+
+    def __init__(self, shift: float = 0.05) -> None:
+        self.shift = shift
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
+        import torch
+
+        with torch.no_grad():  # the weights are in the module already (Lightning restores callbacks after them)
+            for parameter in pl_module.parameters():
+                parameter.add_(self.shift)
+        for state in checkpoint.get("optimizer_states", []):
+            state["state"] = {}

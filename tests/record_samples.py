@@ -4,6 +4,10 @@ Samples are named by their input's bytes, looked up in the data module's trainin
 record does not depend on the loader's bookkeeping that the tests check. One JSON line per batch:
 ``{"rank", "world", "epoch", "step", "ids", "time", "start"}``, where ``step`` is the optimizer step count before the
 batch and ``start`` names the launcher start (the rendezvous address and port, new at every start).
+
+Before the batch's backward, a second file of the rank (``loss-*.jsonl``) gets its mean loss, unscaled by gradient
+accumulation: ``{"step", "start", "loss", "samples", "time"}``; :func:`step_losses` makes the global loss of each
+optimizer step from them, which runs at any world size can be compared by.
 """
 
 import json
@@ -32,6 +36,7 @@ class RecordSamples(Callback):
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("TEMPLATE_MPI_RESTART", "0"))
         name = f"restart{restart}-rank{trainer.global_rank}-pid{os.getpid()}.jsonl"
         self._file = (self.folder / name).open("a", buffering=1)
+        self._losses = (self.folder / f"loss-{name}").open("a", buffering=1)
         datamodule = trainer.datamodule
         before = datamodule.on_before_batch_transfer
         environment = getattr(trainer.strategy, "cluster_environment", None)
@@ -43,7 +48,7 @@ class RecordSamples(Callback):
 
         def record(batch, dataloader_idx: int):
             if trainer.training and not trainer.sanity_checking:
-                ids = [self._ids[image.numpy().tobytes()] for image in batch[0]]
+                ids = [self._ids[image.float().numpy().tobytes()] for image in batch[0]]  # (64-true: float64)
                 line = {"rank": trainer.global_rank, "world": trainer.world_size, "epoch": trainer.current_epoch}
                 line.update(step=trainer.global_step, ids=ids, time=time.time(), start=start)
                 self._file.write(json.dumps(line) + "\n")
@@ -52,12 +57,40 @@ class RecordSamples(Callback):
             return before(batch, dataloader_idx)
 
         datamodule.on_before_batch_transfer = record
+        self._start = start
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._step, self._samples = trainer.global_step, len(batch[0])  # the step before this batch's optimizer step
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        # here, not at the batch's end: a stop (Preemption) ends the run in the last batch's on_train_batch_end
+        loss = float(loss) * trainer.accumulate_grad_batches  # Lightning divides it by the accumulation
+        line = {"step": self._step, "start": self._start, "loss": loss, "samples": self._samples, "time": time.time()}
+        self._losses.write(json.dumps(line) + "\n")
+        self._losses.flush()
 
     def teardown(self, trainer, pl_module, stage: str) -> None:
         if self._file is not None:
             self._file.close()
+            self._losses.close()
             self._file = None
 
 
 def read_records(folder: Path) -> list[dict]:
-    return [json.loads(line) for path in sorted(Path(folder).glob("*.jsonl")) for line in path.read_text().splitlines()]
+    paths = [path for path in sorted(Path(folder).glob("*.jsonl")) if not path.name.startswith("loss-")]
+    return [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+
+
+def step_losses(folder: Path) -> dict[int, float]:
+    """Each optimizer step's loss over the global batch (the mean over its samples), from the start that completed
+    it (the latest start that trained it: an earlier one that failed in the step had its batches done again)."""
+    by_step: dict[int, dict[str, list[dict]]] = {}
+    for path in sorted(Path(folder).glob("loss-*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            by_step.setdefault(record["step"], {}).setdefault(record["start"], []).append(record)
+    losses = {}
+    for step, starts in by_step.items():
+        batches = max(starts.values(), key=lambda batch: min(r["time"] for r in batch))
+        losses[step] = sum(r["loss"] * r["samples"] for r in batches) / sum(r["samples"] for r in batches)
+    return losses

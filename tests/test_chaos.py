@@ -1,9 +1,11 @@
 """The seeded chaos runs of tests/chaos.py, short: a few faults drawn at random (with a fixed seed) under torchrun
-and under the horovod self-launch, and the finished run checked against what an unbroken one trains."""
+and under the horovod self-launch, and the finished run checked against what an unbroken one trains: its weights
+and its loss at every step, besides the bookkeeping (every sample once, the global batch, the rows, the best
+checkpoint). A run whose restores are broken on purpose must fail that check."""
 
 import pytest
 
-from tests.chaos import Job, check, run
+from tests.chaos import Job, check, check_trained, run
 
 
 @pytest.mark.slow
@@ -17,4 +19,18 @@ def test_a_run_under_a_random_schedule_of_faults_trains_what_an_unbroken_run_doe
     assert code == 0, logs
     figures = check(job)
     assert figures["faults"] == faults, (figures, kinds)
+    figures |= check_trained(job, job.reference(timeout=300))
     print(f"\n{launcher} seed {seed}: {kinds}: {figures}, {seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_the_chaos_check_fails_a_run_whose_restores_are_broken(tmp_path):
+    """The checkpoint loader changed to move every weight by 0.05 and drop the optimizer's state on load: the old
+    check, which compared bookkeeping only (steps, samples, rows, the best score), passed such a run (issue 45)."""
+    job = Job("horovod", 1, 1, epochs=2, folder=tmp_path, kinds=("stop_launcher",), perturb=True)
+    assert [fault.kind for fault in job.schedule] == ["stop_launcher"]
+    code, _ = run(job, timeout=600)
+    assert code == 0, "\n".join(p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log")))
+    check(job)  # the bookkeeping of a broken run is right
+    with pytest.raises(AssertionError, match="away from the unbroken|unbroken"):
+        check_trained(job, job.reference(timeout=300))
