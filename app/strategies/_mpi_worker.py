@@ -10,6 +10,7 @@ from pathlib import Path
 import app  # noqa: F401  (registers the strategies before anything is unpickled)
 from app.callbacks.preemption import catch_early_signals
 from app.errors import Diverged, Preempted, UserError
+from app.generators import set_generator_states
 from app.launcher import launcher_ranks
 from app.strategies.launch import DIVERGED, PREEMPTED, USER_ERROR, process_alive
 
@@ -24,7 +25,8 @@ def main(job_path: str, result_path: str) -> None:
             # The caller's main script or module, imported as __mp_main__ (as multiprocessing's spawn does), so that
             # classes defined in it unpickle.
             multiprocessing.spawn.prepare(pickle.load(f))
-            launcher, trainer, function, args, kwargs = pickle.load(f)
+            launcher, trainer, function, args, kwargs, generators = pickle.load(f)
+        set_generator_states(generators)  # the launching process's, seeded: dropout draws what ddp_spawn's would
         launcher.run_in_rank(trainer, function, args, kwargs, result_path)
     except UserError as err:  # bad input found in the ranks: the launcher says it once, as one line
         tmp = workdir / f"user-error.{rank}"

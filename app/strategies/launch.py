@@ -36,6 +36,7 @@ from app.elastic import (
     saved_states,
 )
 from app.errors import Diverged, Preempted, UserError
+from app.generators import generator_states
 from app.launcher import launcher_ranks
 from app.lightning_internals import ResultsLauncher, resume_from
 from app.strategies._reaper import kill_ranks, rank_pids
@@ -240,7 +241,8 @@ class MPIRunLauncher(ResultsLauncher):
         job = workdir / "job.pkl"
         with open(job, "wb") as f:
             pickle.dump(main_module_preparation(), f)  # unpickled first, so the job's classes can be found
-            pickle.dump((self, trainer, function, args, kwargs), f)
+            # the launching process's generators, seeded by the CLI: each rank starts from them, as ddp_spawn's do
+            pickle.dump((self, trainer, function, args, kwargs, generator_states()), f)
         restarts_left = self._strategy.max_restarts - restart
         env = dict(
             os.environ,
