@@ -98,10 +98,12 @@ DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.ModelCheckpoint"},  # its settings come from the task's spec: checkpoint_options
     {"class_path": "app.callbacks.RunReport"},
     {"class_path": "app.callbacks.PredictionWriter"},
+    # Elastic before Preemption: its record of each step's state must be taken before Preemption's collective (the
+    # stop flag's all-reduce, waited for in the same hook) can fail on a lost rank, else the survivor saves nothing
+    {"class_path": "app.callbacks.Elastic"},
     {"class_path": "app.callbacks.Preemption"},
     {"class_path": "app.callbacks.RandomState"},  # each rank's generators in every checkpoint: exact resume
     {"class_path": "app.callbacks.ResumeSettings"},  # a resume's changed optimizer settings go over the restored
-    {"class_path": "app.callbacks.Elastic"},
     {"class_path": "app.callbacks.StopOnNonFinite"},
 ]
 

@@ -53,3 +53,41 @@ class WaitForNodeAtStep(Callback):
         deadline = time.monotonic() + self.timeout
         while not preemption.received and time.monotonic() < deadline:
             time.sleep(0.1)
+
+
+class LoseNodeInStopFlag(Callback):
+    """The node is lost while the other rank waits for Preemption's stop flag: the worker with ``LOSE_THIS_NODE=1``
+    issues no stop-flag all-reduce after ``step`` and dies in the next step, after its gradients were reduced. The
+    survivor's wait for that flag (in its ``on_train_batch_end``, after its optimizer step) is the collective that
+    fails, as it is when a busy machine holds back the flag's exchange until the node is gone."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def _mine(self, trainer) -> bool:
+        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        return os.environ.get("LOSE_THIS_NODE") == "1" and first_start
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self._mine(trainer) and trainer.global_step == self.step - 1:  # the batch that ends at ``step``
+            import torch.distributed as dist
+
+            [preemption] = [c for c in trainer.callbacks if isinstance(c, Preemption)]
+            all_reduce = dist.all_reduce
+
+            def no_flag(tensor, *args, group=None, **kwargs):
+                if group is not None and group is preemption._group:
+                    return _Done()
+                return all_reduce(tensor, *args, group=group, **kwargs)
+
+            dist.all_reduce = no_flag
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._mine(trainer) and trainer.global_step == self.step:  # the next step's gradients are reduced
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Done:
+    def wait(self) -> bool:
+        return True

@@ -177,6 +177,25 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
 
 
 @pytest.mark.slow
+def test_a_node_lost_while_the_survivor_waits_for_the_stop_flag_still_leaves_its_state_saved(tmp_path):
+    """The collective that fails is Preemption's stop flag, waited for after the optimizer step (on a busy machine
+    its exchange lags behind the gradients'): the survivor had not yet recorded that step's state, so it saved
+    nothing and the restart began at step 0, 16 trained steps lost (issue 45, item 5). Elastic now records each
+    step before any other callback's collective can fail: the state after the step is saved and resumed from."""
+    root, records = tmp_path / "runs", tmp_path / "records"
+    lose = {"class_path": "tests.lose_node.LoseNodeInStopFlag", "init_args": {"step": 3}}
+    args = fit_args(root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(lose))
+    survivor, lost = run_two_nodes(tmp_path, find_free_network_port(), args)
+    output, other = (tmp_path / "survivor.log").read_text(), (tmp_path / "lost.log").read_text()
+    assert survivor.returncode == 0, output[-4000:] + "\n--- the lost node:\n" + other[-3000:]
+    assert "Saved the state after step 4 to" in output, output[-4000:]
+    assert "resuming from" in output and "(step 4) in the same run folder" in output, output[-4000:]
+    recorded = read_records(records)
+    assert min(r["step"] for r in recorded if r["world"] == 1) == 4  # no trained step done again
+    assert_each_sample_once_per_epoch(recorded, resumed_at_step=4)
+
+
+@pytest.mark.slow
 def test_a_lost_node_under_fsdp_restarts_from_the_last_checkpoint_on_disk(tmp_path):
     """Under fsdp each rank holds a shard of the state, and a lost node takes its shard along: the survivor says so
     in one line instead of saving, and torchrun's restart goes on from the epoch-0 checkpoint at world size 1 with

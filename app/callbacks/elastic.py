@@ -33,6 +33,7 @@ import csv
 import os
 import re
 import sys
+import textwrap
 import time
 import warnings
 from pathlib import Path
@@ -488,7 +489,7 @@ class Elastic(Callback):
             finally:
                 self._saving_loops = self._saving_row = None
         self.saved_after_failure = str(path)
-        reason = " ".join(str(exception).split())[:200]
+        reason = textwrap.shorten(str(exception), 200, placeholder=" ...")  # at a word, not "the remote w."
         then = (
             "the launcher restarts the job from there"
             if restarts_left()
