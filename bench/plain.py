@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -20,6 +21,7 @@ from torch import nn
 from app.fashion_mnist.data import MEAN, STD, FashionMNISTDataModule
 from app.fashion_mnist.model import DEFAULT_SGD
 from app.fashion_mnist.networks import build_resnet
+from bench.cudagraphs import STEP_TIMES, StepTimer
 
 
 def synchronize(device: torch.device) -> None:
@@ -42,7 +44,12 @@ def train(args: argparse.Namespace, device: torch.device, images: torch.Tensor, 
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
     pin = device.type == "cuda"  # as the app's DataLoader does (pin_memory=True on GPUs)
 
+    timer = StepTimer(device)
+
     def step(i: int) -> None:
+        timer.start()
+        if args.mark_steps:
+            torch.compiler.cudagraph_mark_step_begin()
         idx = order[(i * b) % (len(order) - b) :][:b]
         x, y = images[idx], labels[idx]
         if pin:
@@ -56,6 +63,7 @@ def train(args: argparse.Namespace, device: torch.device, images: torch.Tensor, 
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        timer.end()
 
     for i in range(args.steps):
         step(i)
@@ -64,7 +72,10 @@ def train(args: argparse.Namespace, device: torch.device, images: torch.Tensor, 
     for i in range(args.steps, 2 * args.steps):
         step(i)
     synchronize(device)
-    return args.steps * b / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    if args.step_times:  # bench.cudagraphs: each timed step's host and device time
+        timer.write(args.step_times, skip=args.steps)
+    return args.steps * b / seconds
 
 
 def main() -> None:
@@ -79,6 +90,8 @@ def main() -> None:
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--source", default="synthetic", choices=["synthetic", "fashion_mnist"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--mark-steps", action="store_true", help="cudagraph_mark_step_begin() before every step")
+    parser.add_argument("--step-times", default=os.environ.get(STEP_TIMES), help="write per-step times (JSON) here")
     args = parser.parse_args()
 
     data = FashionMNISTDataModule(data_dir=args.data_dir, source=args.source, batch_size=args.batch_size)

@@ -291,3 +291,42 @@ def test_a_cpu_benchmark_on_a_gpu_host_is_tagged_cpu(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 PCIe")
     path = bench.report.record("reductions", "bench.reductions", [{"a": 1.0}], ["a"], device="cpu")
     assert path.name == "reductions-cpu.md" and "H100" not in path.read_text()
+
+
+def test_the_cudagraph_probe_counts_what_torchs_logs_say():
+    """bench.cudagraphs reads the mechanisms off TORCH_LOGS lines (issue 44): each counted, re-record reasons kept."""
+    from bench.cudagraphs import summarize
+
+    log = "\n".join(
+        [
+            "I1126 [0/0] [__cudagraphs] [0] Recording function=0, mode=FORWARD, cuda_graph_id=0, inputs: 75",
+            "D1126 [0/0] [__cudagraphs] [0] Re-recording function=0, mode=FORWARD, reason=static input data pointer "
+            "changed",
+            "D1126 [0/0] [__cudagraphs] [0] Re-recording function=0, mode=FORWARD, reason=static input data pointer "
+            "changed",
+            "D1126 [0/0] [__cudagraphs] [0] Running warmup function=1, mode=BACKWARD",
+            "W1126 [__perf_hints] skipping cudagraphs due to mutated inputs (2 instances)",
+            "V1126 [0/1] [__recompiles] Recompiling function forward in resnet.py:285",
+        ]
+    )
+    steps = {"host_ms": [3.0, 1.0, 2.0, 10.0], "device_ms": [], "dynamo": {"unique_graphs": 2}}
+    row = summarize("cli", steps, log)
+    assert row["host ms median/p90/max"] == "2.50/10.00/10.00" and "device ms median/p90/max" not in row
+    assert (row["recorded"], row["re-recorded"], row["warm-up runs"], row["skipped graphs"]) == (1, 2, 1, 1)
+    assert (row["recompiles"], row["perf hints"], row["dynamo unique_graphs"]) == (1, 1, 2)
+    assert row["re-record reasons"] == "2x static input data pointer changed"
+
+
+@pytest.mark.slow
+def test_the_cudagraph_probe_runs_its_variants(tmp_path):
+    """The probe a GPU session runs in one command, on CPU and eager: the plain loop and Lightning alone with step
+    marks, each timed step by step in a fresh process."""
+    from bench.cudagraphs import main
+
+    rows = main(
+        ["--device=cpu", "--no-compile", "--arch=resnet_tiny", "--batch-size=8", "--steps=3"]
+        + ["--variants=plain,lightning+mark", "--no-record", f"--data-dir={tmp_path}"]
+    )
+    assert [row["variant"] for row in rows] == ["plain", "lightning+mark"]
+    assert [row["steps"] for row in rows] == [2, 2]  # the timed steps' intervals (the last epoch's, after warm-up)
+    assert all(float(row["host ms median/p90/max"].split("/")[0]) > 0 for row in rows)

@@ -1,0 +1,244 @@
+"""Where a compiled step loses its CUDA graphs: the plain loop and ``cli.py fit``, step by step, with torch's own logs.
+
+    python -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed --channels-last \\
+        --compile-mode reduce-overhead --steps 60            # one GPU: six fresh processes, about 5 minutes
+
+On one H200 the plain loop ran 0.80 s per epoch under ``reduce-overhead`` and ``cli.py fit`` 5.08 s (issue 44): this
+probe says why, in one command. Each variant runs in a fresh process on the same network, batch, data and precision:
+
+- ``plain``: ``bench/plain.py``'s loop, compiled the same way;
+- ``cli``: ``cli.py fit`` as users run it (every default callback, the loggers, checkpoints);
+- ``lightning``: ``cli.py fit`` with every default callback, the loggers and checkpoints off: Lightning alone;
+- each of them ``+mark``: ``torch.compiler.cudagraph_mark_step_begin()`` at the start of every training step, the
+  step boundary that CUDA graph trees otherwise infer (:class:`StepMarks`).
+
+For each: the per-step median, p90 and max of the host time (between step starts, ``perf_counter``) and of the
+device time (CUDA events around each step, read after the run: nothing waits inside it), over the steps after the
+warm-up; the graphs Dynamo compiled, its recompiles and graph breaks (its counters); and the lines of
+``TORCH_LOGS=+cudagraphs,recompiles,graph_breaks,perf_hints`` that name each mechanism: graphs recorded, re-recorded
+(with their reasons), warm-up and eager runs of the tree, skipped graphs, recompiles, graph breaks, perf hints. The
+logs are kept beside the results. Writes ``bench/results/cudagraphs-<arch>-b<batch>[-<mode>]-<device>.{json,md}``.
+
+On CPU (``--device cpu``, default compile mode or ``--no-compile``) it checks that the probe itself works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from statistics import median
+
+import torch
+from lightning.pytorch import Callback
+
+from bench.report import RESULTS, record
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_LOGS = "+cudagraphs,recompiles,graph_breaks,perf_hints"
+# What each counted log line says (torch 2.11-2.15: torch/_inductor/cudagraph_trees.py, cudagraph_utils.py, dynamo)
+MECHANISMS = {
+    "recorded": r"\bRecording function=",
+    "re-recorded": r"\bRe-recording function=",
+    "warm-up runs": r"\bRunning warmup function=",
+    "eager runs": r"\bRunning eager function=",
+    "skipped graphs": r"skipping cudagraphs due to",
+    "recompiles": r"\bRecompiling function\b",
+    "graph breaks": r"\bGraph break",
+}
+STEP_TIMES = "BENCH_STEP_TIMES"  # where StepTimes writes (an environment variable: cli.py's callbacks take no path)
+
+
+# ------------------------------------------------------------------------------------------------ in the runs
+class StepTimer:
+    """Host and device time of each training step, with no synchronisation inside the run."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.starts: list[float] = []
+        self.events: list[tuple] = []
+
+    def start(self) -> None:
+        self.starts.append(time.perf_counter())
+        if self.cuda:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            self.events.append((begin, torch.cuda.Event(enable_timing=True)))
+
+    def end(self) -> None:
+        if self.cuda and self.events:
+            self.events[-1][1].record()
+
+    def write(self, path: str | os.PathLike, skip: int) -> None:
+        """The steps after the first ``skip`` (warm-up, compilation), as milliseconds."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        host = [(b - a) * 1e3 for a, b in zip(self.starts, self.starts[1:], strict=False)][skip:]
+        device = [begin.elapsed_time(end) for begin, end in self.events][skip:] if self.cuda else []
+        Path(path).write_text(json.dumps({"host_ms": host, "device_ms": device, "dynamo": dynamo_counters()}))
+
+
+def dynamo_counters() -> dict:
+    """Dynamo's and inductor's counters (torch's internals, read for the bench only)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - a torch without Dynamo
+        return {}
+    return {
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        "cudagraph_recorded_non_static_inputs": counters["inductor"]["cudagraph_recorded_non_static_inputs"],
+    }
+
+
+class StepTimes(Callback):
+    """``cli.py fit``'s steps, timed as :class:`StepTimer` does; the last epoch's are written to ``$BENCH_STEP_TIMES``
+    when training ends."""
+
+    def __init__(self) -> None:
+        self._timer: StepTimer | None = None
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._timer = StepTimer(pl_module.device)  # the last epoch's steps: compiled and warm
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        self._timer.start()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._timer.end()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero and os.environ.get(STEP_TIMES):
+            self._timer.write(os.environ[STEP_TIMES], skip=0)
+
+
+class StepMarks(Callback):
+    """``torch.compiler.cudagraph_mark_step_begin()`` before every training step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+# ------------------------------------------------------------------------------------------------ the variants
+def command(variant: str, args, data_dir: Path) -> list[str]:
+    base, _, mark = variant.partition("+")
+    if base == "plain":
+        cmd = [
+            sys.executable, "-m", "bench.plain", f"--arch={args.arch}", f"--batch-size={args.batch_size}",
+            f"--steps={args.steps}", f"--precision={args.precision}", f"--data-dir={data_dir}",
+            f"--source={args.source}", f"--device={args.device}",
+            "--channels-last" if args.channels_last else "--no-channels-last",
+            "--compile" if args.compile else "--no-compile", f"--compile-mode={args.compile_mode}",
+        ]  # fmt: skip
+        return cmd + (["--mark-steps"] if mark else [])
+    accelerator = "gpu" if args.device.startswith("cuda") else "cpu"
+    cmd = [
+        sys.executable, str(ROOT / "cli.py"), "fit",
+        f"--model.arch={args.arch}", f"--data.batch_size={args.batch_size}", f"--data.data_dir={data_dir}",
+        f"--data.source={args.source}", f"--trainer.accelerator={accelerator}", "--trainer.devices=1",
+        "--trainer.max_epochs=2", f"--trainer.limit_train_batches={args.steps}", "--trainer.limit_val_batches=0",
+        "--trainer.num_sanity_val_steps=0", f"--model.channels_last={args.channels_last}",
+        f"--model.compile={args.compile}", f"--model.compile_mode={args.compile_mode}",
+        "--trainer.callbacks+=bench.cudagraphs.StepTimes",
+    ]  # fmt: skip
+    if args.precision != "32":
+        cmd.append(f"--trainer.precision={args.precision}")
+    if base == "lightning":  # Lightning alone: no default callback, logger, checkpoint, bar or summary
+        from app.defaults import DEFAULT_CALLBACK_NAMES
+
+        cmd += [f"--drop_callbacks=[{','.join(DEFAULT_CALLBACK_NAMES)}]", "--trainer.logger=false"]
+        cmd += ["--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false"]
+        cmd += ["--trainer.enable_model_summary=false"]
+    else:
+        cmd += ["--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=50"]
+    return cmd + (["--trainer.callbacks+=bench.cudagraphs.StepMarks"] if mark else [])
+
+
+def run_variant(variant: str, args, data_dir: Path, logs: Path) -> dict:
+    with tempfile.TemporaryDirectory() as workdir:
+        times = Path(workdir) / "steps.json"
+        env = {**os.environ, "TORCH_LOGS": TORCH_LOGS, STEP_TIMES: str(times), "PYTHONPATH": str(ROOT)}
+        log = logs / f"{variant}.log"
+        with log.open("w") as out:
+            result = subprocess.run(
+                command(variant, args, data_dir),
+                cwd=workdir,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=args.timeout,
+            )
+        if result.returncode != 0:
+            raise RuntimeError(f"{variant} failed (exit {result.returncode}); see {log}")
+        steps = json.loads(times.read_text())
+    return summarize(variant, steps, log.read_text())
+
+
+def percentiles(values: list[float]) -> tuple[float, float, float] | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return median(ordered), ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], ordered[-1]
+
+
+def summarize(variant: str, steps: dict, log: str) -> dict:
+    row: dict = {"variant": variant, "steps": len(steps["host_ms"])}
+    for kind in ("host", "device"):
+        figures = percentiles(steps[f"{kind}_ms"])
+        if figures:
+            row[f"{kind} ms median/p90/max"] = "/".join(f"{v:.2f}" for v in figures)
+    row.update({name: len(re.findall(pattern, log)) for name, pattern in MECHANISMS.items()})
+    row["perf hints"] = sum("perf_hints" in line or "[__perf_hints]" in line for line in log.splitlines())
+    reasons = Counter(re.findall(r"Re-recording function=\S+, mode=\S+, reason=([^\n]{0,80})", log))
+    row["re-record reasons"] = "; ".join(f"{n}x {r}" for r, n in reasons.most_common(3))
+    row.update({f"dynamo {k}": v for k, v in steps.get("dynamo", {}).items()})
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m bench.cudagraphs", description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="resnet18")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=60, help="steps per epoch (the last epoch is timed)")
+    parser.add_argument("--precision", default="bf16-mixed", choices=["32", "bf16-mixed"])
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--compile-mode", default="reduce-overhead")
+    parser.add_argument("--variants", default="plain,plain+mark,cli,cli+mark,lightning,lightning+mark")
+    parser.add_argument("--data-dir", type=Path, help="Fashion-MNIST files (default: the synthetic stand-in)")
+    parser.add_argument("--source", default="synthetic", choices=["synthetic", "fashion_mnist"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per variant")
+    parser.add_argument("--no-record", action="store_true", help="print only (no bench/results files)")
+    args = parser.parse_args(argv)
+
+    name = f"cudagraphs-{args.arch}-b{args.batch_size}" + (f"-{args.compile_mode}" if args.compile else "-eager")
+    device = "cuda" if args.device.startswith("cuda") else "cpu"
+    logs = RESULTS / f"{name}-{device}-logs" if not args.no_record else Path(tempfile.mkdtemp(prefix="cudagraphs-"))
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        data_dir = args.data_dir or Path(scratch) / "data"
+        rows = []
+        for variant in args.variants.split(","):
+            row = run_variant(variant, args, data_dir, logs)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    if not args.no_record:
+        notes = f"Per-step times over the timed steps; log lines of `TORCH_LOGS={TORCH_LOGS}`, kept in `{logs.name}/`."
+        print(record(name, "bench.cudagraphs", rows, columns, notes=notes, device=device))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
