@@ -54,6 +54,7 @@ from app.resume import (
     check_loggerless_root,
 )
 from app.run_dir import check_writable, claim_versions, release_if_unused, release_made_folders
+from app.spawn_signals import pass_sigterm_to_spawned_ranks, stopped_exit_code
 from app.strategies.horovod import HorovodStrategy
 from app.task import spec_of
 
@@ -240,6 +241,7 @@ class CLI(CkptPathRule, LightningCLI):
     # ``LightningCLI`` calls ``before_<subcommand>`` just before ``trainer.<subcommand>(ckpt_path=...)``.
     def before_fit(self) -> None:
         self._check_ckpt_path()
+        pass_sigterm_to_spawned_ranks(self.trainer)  # ddp_spawn: the process a stop signal reaches is no rank
 
     before_validate = before_test = before_predict = before_fit
 
@@ -293,3 +295,7 @@ def main(
         hint = "free space, or pass a writable --trainer.default_root_dir"
         print(f"error: {where}{err.strerror}; {hint}", file=sys.stderr)
         sys.exit(2)
+    except Exception as err:
+        if (code := stopped_exit_code(err)) is not None:  # ddp_spawn's ranks stopped on a SIGTERM and saved
+            sys.exit(code)
+        raise

@@ -31,7 +31,9 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    validation runs it), :func:`put_fit_loop_state` (the state of the last completed step).
 9. :func:`saving_alone` — ``Trainer.save_checkpoint`` on a broken process group: the strategy's barrier and its
    rank-0-only save, replaced for the duration of one save (:func:`saves_alone` tells checkpoint hooks so).
-10. :func:`free_strategy_name` — Lightning's accelerator connector refuses any strategy registered under a name
+10. :func:`spawned_ranks_launcher` — ``ddp_spawn``'s launcher (the exact class ``_MultiProcessingLauncher``) in the
+   launching process, whose SIGTERM the template passes on to the ranks it spawned (:mod:`app.spawn_signals`).
+11. :func:`free_strategy_name` — Lightning's accelerator connector refuses any strategy registered under a name
    its own ``FSDPStrategy`` registered (``"fsdp"``) unless the accelerator is a GPU; the template's ``fsdp``
    (app/strategies/fsdp.py) runs on CPU too, so the name leaves that list when the template takes it over.
 """
@@ -243,6 +245,12 @@ _saving_alone: weakref.WeakSet = weakref.WeakSet()
 def saves_alone(strategy) -> bool:
     """Whether a save is under way inside :func:`saving_alone`: what a checkpoint hook must do without collectives."""
     return strategy in _saving_alone
+
+
+def spawned_ranks_launcher(strategy):
+    """The launcher of a ``ddp_spawn`` run (Lightning's own: not the horovod self-launch's subclass), or None."""
+    launcher = getattr(strategy, "launcher", None)
+    return launcher if type(launcher) is _MultiProcessingLauncher else None
 
 
 def free_strategy_name(name: str) -> None:

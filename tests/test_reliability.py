@@ -424,6 +424,28 @@ def wait_until_checkpointed(process: subprocess.Popen, cwd: Path, log: Path) -> 
     return last
 
 
+def test_sigterm_to_a_ddp_spawn_run_stops_its_ranks_with_a_checkpoint_and_exits_143(workdir):
+    """The process a stop signal reaches under ddp_spawn is no rank: Python's default ended it at once, and its
+    ranks trained on, orphaned, to the end of the run (30 epochs after the SIGTERM, no checkpoint at the stop). It
+    passes SIGTERM on: every rank stops after the same step, saves, and all exit 143, without torch's traceback."""
+    process, log = start(workdir, "--trainer.strategy=ddp_spawn", "--trainer.devices=2")
+    try:
+        last = wait_until_checkpointed(process, workdir, log)
+        ranks = children(process.pid)
+        assert ranks, "ddp_spawn started no rank"
+        step = load_checkpoint(last)["global_step"]
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(timeout=60)
+        wait_for(lambda: not any(alive(p) for p in ranks), 30, "the ranks to exit")
+    finally:
+        process.kill()
+    output = log.read_text()
+    assert code == 143, output[-3000:]
+    assert "received SIGTERM" in output and "Exit code 143." in output, output[-3000:]
+    assert "Traceback" not in output and "Terminating process" not in output, output[-3000:]
+    assert load_checkpoint(last)["global_step"] > step  # the stop's own checkpoint, not the epoch's
+
+
 def test_external_sigterm_to_rank0_of_ddp_stops_every_rank_within_30_s(workdir):
     """``docker stop`` signals PID 1 only: rank 0 tells the others, all write nothing but one checkpoint and exit.
     Rank 0 then cleans up slowly (a logger's upload): the other ranks' exit 143 must not get it SIGKILLed by

@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 from pathlib import Path
 
 import torch
@@ -96,6 +97,14 @@ class Preemption(Callback):
         self._local_ranks: list[subprocess.Popen] = []
         self._decided = 0  # a stop agreed inside an accumulation window, carried out at the window's end
         self._step_seen = -1  # the optimizer step count at the last training batch's end
+
+    def __setstate__(self, state: dict) -> None:
+        # Unpickled in a rank that a launcher started (ddp_spawn's, the horovod self-launch's): a stop signal that
+        # comes before the handlers are installed is remembered and acted on then, not the end of the rank (the
+        # launching process passes SIGTERM on as soon as it gets it: app/spawn_signals.py).
+        self.__dict__.update(state)
+        if threading.current_thread() is threading.main_thread():
+            catch_early_signals(self.signals)
 
     # ---------------------------------------------------------------- setup
     def setup(self, trainer, pl_module, stage: str) -> None:
