@@ -1,0 +1,302 @@
+"""Multi-node runs across two machines made of network namespaces (tests/netns.py): ``a`` at 10.77.0.1 and ``b`` at
+10.77.0.2, each with its own host name and hosts file, joined by a veth pair. The commands are docs/multi-node.md's
+own, read from the doc, so that a change there is run here; only what two one-CPU nodes need is changed (see
+:func:`on_two_cpu_nodes`). They skip, saying why, where ``ip netns`` cannot be used (not root, no iproute2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from tests.conftest import ROOT
+from tests.netns import NETNS_ETC, PREFIX, TwoNodes, iptables_available, namespaces, netns_available, remove_leftovers
+from tests.parity import MPI_ENV
+
+MULTI_NODE_DOC = ROOT / "docs" / "multi-node.md"
+EPOCHS, STEPS = 2, 4  # optimizer steps per epoch: a batch of 16 per rank, 2 ranks
+
+
+class WhereRanksRun(Callback):
+    """Test-only: each rank writes ``rank<N>.json`` into ``folder`` when training starts: its host name, world
+    size, node rank and the rendezvous address it was given."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        where = {
+            "rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "node_rank": trainer.node_rank,
+            "host": socket.gethostname(),
+            "main_address": trainer.strategy.cluster_environment.main_address,
+        }
+        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(where))
+
+
+@pytest.fixture
+def nodes():
+    """Two namespace nodes, removed after the test whatever happens in it; the test skips where they cannot be made."""
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    with TwoNodes() as net:
+        yield net
+
+
+def doc_commands(after: str) -> list[list[str]]:
+    """The commands of the first ```bash block after the text ``after`` in docs/multi-node.md, one list of words
+    each (continued lines joined)."""
+    text = MULTI_NODE_DOC.read_text()
+    start = text.index(after)
+    block = re.search(r"```bash\n(.*?)```", text[start:], re.S)
+    assert block, f"no ```bash block after {after!r} in {MULTI_NODE_DOC}"
+    lines = block.group(1).replace("\\\n", " ").splitlines()
+    return [shlex.split(line) for line in lines if line.strip()]
+
+
+def replace(words: list[str], old: str, new: list[str] | str) -> list[str]:
+    """``words`` with the word ``old`` replaced (by one word, or several); the doc must have it."""
+    assert old in words, f"docs/multi-node.md's command no longer has {old!r}: {shlex.join(words)}"
+    i = words.index(old)
+    return [*words[:i], *([new] if isinstance(new, str) else new), *words[i + 1 :]]
+
+
+def on_two_cpu_nodes(words: list[str], root: Path) -> list[str]:
+    """A command of docs/multi-node.md as two one-CPU nodes run it: one process per node instead of 4 GPUs, and
+    the tests' tiny task for the full recipe. Its multi-node preset, host names, port and the rest stay."""
+    if words[0] == "torchrun":
+        words = replace(words, "--nproc_per_node=4", "--nproc_per_node=1")
+    else:  # mpirun -np 8 -H a:4,b:4
+        words = replace(replace(words, "8", "2"), "a:4,b:4", "a:1,b:1")
+    words = replace(words, "configs/fashion_mnist.yaml", "tests/tiny.yaml")
+    # width 32: 45,668 parameters (183 kB), so that the gradients stand out of the rest of the traffic on the link
+    where = {"class_path": f"{__name__}.WhereRanksRun", "init_args": {"folder": str(root / "ranks")}}
+    return [
+        *words,
+        *("--trainer.accelerator=cpu", "--trainer.devices=1", f"--trainer.default_root_dir={root}", "--model.width=32"),
+        *(f"--trainer.max_epochs={EPOCHS}", f"--trainer.limit_train_batches={STEPS}", "--trainer.limit_val_batches=2"),
+        "--trainer.callbacks+=" + json.dumps(where),
+    ]
+
+
+def node_env(**more: str) -> dict:
+    """The environment of a run on a node: the venv's commands first on PATH (torchrun, mpirun, python)."""
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    return {**os.environ, "PATH": path, "PYTHONUNBUFFERED": "1", **more}
+
+
+def wait_all(processes: dict, logs: dict, timeout: float, grace: float = 30) -> None:
+    """Wait for every process of ``{name: Popen}``, at most ``timeout`` s, and ``grace`` s after one fails (the other
+    node may wait for it for minutes); fail with the logs' ends if any is still running then."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(p.poll() is None for p in processes.values()):
+        if any(p.poll() not in (None, 0) for p in processes.values()):
+            deadline = min(deadline, time.monotonic() + grace)
+        time.sleep(0.2)
+    running = [name for name, p in processes.items() if p.poll() is None]
+    if running:
+        tails = "\n".join(f"--- {n}:\n{p.read_text()[-3000:]}" for n, p in logs.items())
+        codes = {name: p.returncode for name, p in processes.items()}
+        pytest.fail(f"{running} still running ({codes})\n{tails}")
+
+
+def assert_trained_across_both_nodes(root: Path, nodes: TwoNodes, link_before: dict, logs: dict) -> None:
+    """One run folder whose last.ckpt has every step of the run at world size 2, rank 0 on ``a`` and rank 1 on
+    ``b``, and the gradients of every step through the veth link."""
+    tails = "\n".join(f"--- {n}:\n{p.read_text()[-3000:]}" for n, p in logs.items())
+    [run] = (root / "lightning_logs").glob("version_*")
+    last = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert last["global_step"] == EPOCHS * STEPS, tails
+    random_state = next(v for k, v in last["callbacks"].items() if k.startswith("RandomState"))
+    assert random_state["world_size"] == 2 and sorted(random_state["ranks"]) == [0, 1]
+    where = {r: json.loads((root / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)}
+    assert [(w["host"], w["world_size"], w["node_rank"]) for w in where.values()] == [("a", 2, 0), ("b", 2, 1)]
+    assert {w["main_address"] for w in where.values()} == {"a"}, where
+    # an all-reduce of 2 ranks sends each rank's gradients once over the link: at least the parameters' bytes per
+    # step left node b. All else a run sends (rendezvous, store, checkpoint gathers) was 175 kB, under one step's.
+    buffers = ("running_mean", "running_var", "num_batches_tracked")
+    params = sum(t.numel() * t.element_size() for k, t in last["state_dict"].items() if not k.endswith(buffers))
+    sent = nodes.b.link_bytes()["tx"] - link_before["tx"]
+    assert sent >= EPOCHS * STEPS * params, (sent, params)
+    print(f"\n{sent:,} bytes sent by node b over the link, {params:,} bytes of parameters, {EPOCHS * STEPS} steps")
+
+
+@pytest.mark.slow
+def test_ddp_under_torchrun_trains_across_two_nodes_with_the_docs_command(nodes, tmp_path):
+    """docs/multi-node.md's torchrun commands, the first on node ``a``, the second on ``b`` (``--master_addr=a``
+    resolved by each node's hosts file; no GLOO_SOCKET_IFNAME needed): both exit 0, and the run trained every step
+    at world size 2 with a rank on each node."""
+    root = tmp_path / "runs"
+    commands = doc_commands("**torchrun**")
+    assert len(commands) == 2 and all(c[0] == "torchrun" for c in commands), commands
+    assert [c for c in commands[0] if c.startswith("--node_rank")] == ["--node_rank=0"]
+    assert all("--master_addr=a" in c for c in commands), commands
+    before = nodes.b.link_bytes()
+    started = time.monotonic()
+    logs, processes = {}, {}
+    for node, words in zip(nodes.nodes, commands, strict=True):
+        logs[node.name] = tmp_path / f"{node.name}.log"
+        processes[node.name] = node.popen(on_two_cpu_nodes(words, root), log=logs[node.name], env=node_env(), cwd=ROOT)
+    wait_all(processes, logs, timeout=240)
+    seconds = time.monotonic() - started
+    for name, process in processes.items():
+        assert process.returncode == 0, f"node {name} exited {process.returncode}:\n{logs[name].read_text()[-4000:]}"
+    assert_trained_across_both_nodes(root, nodes, before, logs)
+    print(f"torchrun across two nodes: {seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_horovod_under_mpirun_trains_across_two_nodes_with_the_docs_command(nodes, tmp_path):
+    """docs/multi-node.md's mpirun command with ``--trainer.strategy=horovod --trainer.num_nodes=2`` (its
+    configs/multinode_horovod.yaml), started once on node ``a``: Open MPI reaches node ``b`` through an ssh
+    stand-in that enters ``b``'s namespace, and keeps its own traffic on the nodes' subnet. Exit 0 and the run
+    trained every step at world size 2 with a rank on each node."""
+    root = tmp_path / "runs"
+    [mpirun, *_] = [c for c in doc_commands("**mpirun / horovodrun**") if c[0] == "mpirun"]
+    assert "configs/multinode_horovod.yaml" in mpirun, mpirun
+    subnet = f"{nodes.a.address.rsplit('.', 1)[0]}.0/24"
+    agent = nodes.rsh_agent(tmp_path / "rsh-agent")
+    launch = [
+        "--allow-run-as-root",  # docs/multi-node.md: as root, add it
+        *("--mca", "plm_rsh_agent", str(agent)),  # instead of passwordless ssh to b
+        *("--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet),
+        # both "nodes" are the same 2 cores: Open MPI's default binds each node's one rank to the same core 0
+        *("--bind-to", "none"),
+    ]
+    words = replace(on_two_cpu_nodes(mpirun, root), "mpirun", ["mpirun", *launch])
+    # the doc's -x NCCL_SOCKET_IFNAME exports the interface name the doc tells users to set; eth0 on both nodes
+    env = node_env(NCCL_SOCKET_IFNAME="eth0", **MPI_ENV)
+    before = nodes.b.link_bytes()
+    started = time.monotonic()
+    logs = {"a": tmp_path / "mpirun.log"}
+    process = nodes.a.popen(words, log=logs["a"], env=env, cwd=ROOT)
+    wait_all({"mpirun": process}, logs, timeout=240)
+    seconds = time.monotonic() - started
+    assert process.returncode == 0, logs["a"].read_text()[-4000:]
+    assert "horovod strategy: backend=" in logs["a"].read_text()
+    assert_trained_across_both_nodes(root, nodes, before, logs)
+    print(f"horovod under mpirun across two nodes: {seconds:.1f} s")
+
+
+def test_the_nodes_are_removed_with_everything_in_them_when_the_test_body_raises(tmp_path):
+    """A test body that fails with processes running on both nodes (one in a session of its own, as torchrun's
+    workers and mpirun's daemons are) leaves no namespace, link, /etc/netns folder or process behind. The nodes
+    themselves work: names, addresses, hosts files, a cut link and a restored one."""
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    # every process of this test has this in its command line: sleep's seconds, with this pytest's pid
+    marker = f"300.{os.getpid()}"
+    sleeper = ["sh", "-c", f"setsid sleep {marker} & exec sleep {marker}"]
+    made = {}
+    with pytest.raises(RuntimeError, match="the test body failed"), TwoNodes() as net:
+        made = {"names": [n.netns for n in net.nodes]}
+        for node in net.nodes:
+            out = node.run(["sh", "-c", "hostname; getent hosts a b; ip -4 -br addr show eth0; ip route"])
+            assert out.returncode == 0, out.stderr
+            lines = out.stdout.splitlines()
+            assert lines[0] == node.name
+            assert lines[1].split() == ["10.77.0.1", "a"] and lines[2].split() == ["10.77.0.2", "b"]
+            assert f"{node.address}/24" in lines[3]
+            assert all(line.startswith("10.77.0.0/24 ") for line in lines[4:]), lines[4:]  # no route elsewhere
+            assert (NETNS_ETC / node.netns / "hosts").is_file()
+            node.popen(sleeper, log=tmp_path / f"{node.name}.log", env=node_env())
+        assert net.a.reaches(net.b) and net.b.reaches(net.a)
+        net.cut()
+        assert not net.a.reaches(net.b, timeout=1)
+        net.restore()
+        assert net.a.reaches(net.b, timeout=5)
+        if iptables_available()[0]:
+            net.b.drop()
+            assert not net.a.reaches(net.b, timeout=1) and not net.b.reaches(net.a, timeout=1)
+            net.b.undrop()
+            assert net.a.reaches(net.b)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(_running(marker)) < 4:
+            time.sleep(0.1)
+        # two sleeps on each node, in and out of the session started there
+        assert len(_running(marker)) == 4 and all(len(node.pids()) == 2 for node in net.nodes), _running(marker)
+        raise RuntimeError("the test body failed")
+    assert made["names"] and not set(made["names"]) & set(namespaces())
+    assert not [p for p in made["names"] if (NETNS_ETC / p).exists()]
+    assert not _running(marker), _running(marker)
+    assert all(name.startswith(PREFIX) for name in made["names"])
+
+
+# a process that makes two nodes, starts a sleep on each (in a session of its own), says so, and waits
+HOLDER = """
+import sys, time
+from tests.netns import TwoNodes
+with TwoNodes() as net:
+    for node in net.nodes:
+        node.popen(["setsid", "sleep", sys.argv[1]], log=sys.argv[2])
+    while sum(len(node.pids()) for node in net.nodes) < 2:
+        time.sleep(0.05)
+    print(*(node.netns for node in net.nodes), flush=True)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_killed_test_run_leaves_nothing_once_the_next_run_starts(signum, tmp_path):
+    """The process holding the nodes is sent SIGTERM (which the harness turns into KeyboardInterrupt: the ``with``
+    block cleans up) or SIGKILL (nothing can run: the next ``TwoNodes``, here its :func:`remove_leftovers`, removes
+    the namespaces and processes of a maker that is gone)."""
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    marker = f"301.{os.getpid()}"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, marker, str(tmp_path / "sleep.log")],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        names = holder.stdout.readline().split()
+        assert len(names) == 2, holder.stderr.read()
+        assert set(names) <= set(namespaces())
+        deadline = time.monotonic() + 10
+        while len(_running(marker)) != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)  # setsid's own process, which forks the sleep, on its way out
+        assert len(_running(marker)) == 2, _running(marker)
+        holder.send_signal(signum)
+        holder.wait(timeout=30)
+        if signum == signal.SIGKILL:
+            # the nodes are left behind (unless another pytest worker's TwoNodes has removed them already)
+            remove_leftovers()
+    except BaseException:
+        holder.kill()
+        holder.wait()
+        remove_leftovers()  # what this test left
+        raise
+    assert not set(names) & set(namespaces())
+    assert not [n for n in names if (NETNS_ETC / n).exists()]
+    assert not _running(marker), _running(marker)
+
+
+def _running(marker: str) -> dict[int, str]:
+    """The ``sleep`` processes whose command line holds ``marker``: {pid: command line}."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                line = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if line.startswith("sleep ") and marker in line:
+                found[int(proc.name)] = line
+    return found
