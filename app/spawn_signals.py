@@ -41,8 +41,8 @@ def pass_sigterm_to_spawned_ranks(trainer) -> None:
 
 def stopped_exit_code(err: BaseException) -> int | None:
     """143 when ``err`` is torch's report that a spawned rank ended after a SIGTERM passed on here, else None. A rank
-    that exited 143 said where it saved; one that the signal ended while it was still starting (before it could
-    take the signal: its interpreter's first seconds) trained nothing in this run, which one line says."""
+    that exited 143 said where it saved; one that the signal ended outside training (its interpreter's first seconds,
+    before it could take the signal, or its last ones) wrote no checkpoint at the stop, which one line says."""
     if not _received or type(err).__name__ != "ProcessExitedException":  # torch.multiprocessing's
         return None
     code = 128 + signal.SIGTERM
@@ -50,8 +50,8 @@ def stopped_exit_code(err: BaseException) -> int | None:
         return code
     if getattr(err, "signal_name", None) == "SIGTERM":
         print(
-            "SIGTERM: stopped while the ddp_spawn ranks were starting; this run trained nothing, and the checkpoints "
-            "of earlier runs are as they were",
+            "SIGTERM: a ddp_spawn rank ended on it outside training (while starting, or finishing after its last "
+            "checkpoint), so none was written at the stop; the checkpoints on disk are whole, as they were written",
             file=sys.stderr,
         )
         return code
