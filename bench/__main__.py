@@ -183,7 +183,7 @@ def main() -> None:
     data.prepare_data()
     data.setup("fit")
     labels = data.train_set.labels
-    raw_dir = (data.real_dir if data.resolve_source() == "fashion_mnist" else data.synthetic_dir).resolve()
+    raw_dir = data.files.folder().resolve()  # torchvision's per-sample path below reads extracted files only
 
     per_image = flops_per_image(args.arch)
     peak = peak_flops(device, args.precision, args.peak_tflops)

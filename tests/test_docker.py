@@ -83,3 +83,54 @@ def test_slurm_script_matches_its_preset():
     assert int(sbatch["nodes"]) == preset["num_nodes"]
     assert int(sbatch["ntasks-per-node"]) == preset["devices"] == int(sbatch["gpus-per-node"])
     assert "srun python cli.py fit" in text
+
+
+def test_the_image_and_ci_bring_the_real_data():
+    """Debian's dataset-fashion-mnist puts the real files where --data.source=auto finds them (/usr/share/datasets)."""
+    apt = next(r for r in instruction("RUN") if "apt-get install" in r)
+    assert "dataset-fashion-mnist" in shlex.split(apt)
+    assert "make test" in (ROOT / ".ci" / "run").read_text()  # CI runs the README's test command
+
+
+def _ci_run(tmp_path, uid: int, apt: int | None, installed: bool = False, make: int = 0):
+    """.ci/run with stand-ins for id, apt-get (None: not installed) and make, which record how they were called."""
+    import os
+    import shutil
+
+    repo, bin_dir, log = tmp_path / "repo", tmp_path / "bin", tmp_path / "calls.log"
+    (repo / ".ci").mkdir(parents=True, exist_ok=True)
+    shutil.copy(ROOT / ".ci" / "run", repo / ".ci" / "run")
+    shutil.rmtree(bin_dir, ignore_errors=True)
+    bin_dir.mkdir()
+    log.write_text("")
+    stubs = {"id": f'[ "$1" = -u ] && echo {uid}', "make": f'echo "make $*" >> {log}; exit {make}'}
+    stubs |= {"ip": "exit 0", "iptables": "exit 0"}  # there: the two-node tests' install step has nothing to do
+    if apt is not None:
+        stubs["apt-get"] = f'echo "apt-get $*" >> {log}; exit {apt}'
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
+    system = tmp_path / "system"
+    system.mkdir(exist_ok=True)
+    if installed:
+        (system / "train-images-idx3-ubyte.gz").touch()
+    env = {"PATH": str(bin_dir), "FASHION_MNIST_SYSTEM_DIR": str(system), "HOME": os.environ.get("HOME", "/tmp")}
+    result = subprocess.run(
+        [shutil.which("bash"), str(repo / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60
+    )
+    return result, log.read_text().splitlines()
+
+
+def test_ci_installs_the_real_data_only_as_root_with_apt_and_never_fails_for_it(tmp_path):
+    install = "apt-get install -y -qq dataset-fashion-mnist"
+    result, calls = _ci_run(tmp_path, uid=0, apt=0)
+    assert result.returncode == 0 and calls == ["apt-get update -qq", install, "make test"], (calls, result.stderr)
+    result, calls = _ci_run(tmp_path, uid=0, apt=100)  # no network, no such package: the suite runs all the same
+    assert result.returncode == 0 and calls == ["apt-get update -qq", "make test"], calls
+    assert "could not install dataset-fashion-mnist" in result.stderr
+    for uid, apt, installed in [(1000, 0, False), (0, None, False), (0, 0, True)]:  # not root; no apt-get; there
+        result, calls = _ci_run(tmp_path, uid=uid, apt=apt, installed=installed)
+        assert result.returncode == 0 and calls == ["make test"], (uid, apt, installed, calls)
+    result, calls = _ci_run(tmp_path, uid=1000, apt=0, make=2)
+    assert result.returncode == 2 and calls == ["make test"]  # the suite's failure is CI's

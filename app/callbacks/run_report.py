@@ -5,7 +5,8 @@ Each epoch prints one line, like d2l's::
     epoch 3 | train loss 0.4120 | val acc 0.8712 | 12.3 s | 4,567 samples/s | 2 x cuda (ddp)
 
 (the train loss is the epoch's mean loss per sample, whatever ``accumulate_grad_batches``; the validation figure
-is the metric the task's ``spec.monitor`` names; samples are what ``spec.samples`` counts: images, sequences, ...)
+is the metric the task's ``spec.monitor`` names; samples are what ``spec.samples`` counts: images, sequences, ...;
+a data module's ``epoch_note`` ends every line, e.g. ``| SYNTHETIC data, not Fashion-MNIST``: see app/task.py)
 
 and the end of training prints a table with one row per device: optimizer steps, mean time per optimizer step,
 samples/s and peak memory (``torch.cuda.max_memory_allocated`` on GPUs, the process's peak resident memory on CPU).
@@ -24,7 +25,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from app.callbacks.progress import console_print
 from app.strategies.dp import DataParallelStrategy
-from app.task import batch_samples, spec_of
+from app.task import batch_samples, epoch_note, spec_of
 
 _FIELDS = ("samples", "seconds", "steps", "peak_bytes")
 
@@ -98,15 +99,18 @@ class RunReport(Callback):
         devices = (
             f"{max(trainer.num_devices * trainer.num_nodes, trainer.world_size)} x {trainer.strategy.root_device.type}"
         )
+        note = [n] if (n := epoch_note(trainer.datamodule)) else []  # what the data module says of its data
         if not samples:  # resumed (a restart, a stop in validation) after the epoch's last training batch
             console_print(
-                trainer, " | ".join([*parts, "resumed after its training", f"{devices} ({strategy_name(trainer)})"])
+                trainer,
+                " | ".join([*parts, "resumed after its training", f"{devices} ({strategy_name(trainer)})", *note]),
             )
             return
         parts += [
             f"{seconds:.1f} s",
             f"{samples / max(self._train_seconds, 1e-9):,.0f} samples/s",
             f"{devices} ({strategy_name(trainer)})",
+            *note,
         ]
         console_print(trainer, " | ".join(parts))
         # (the metric keeps its name, which metrics.csv readers and cli.py plot know: it counts samples too)

@@ -15,12 +15,12 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
-from app.errors import UserError
+from app.errors import TemplateWarning, UserError
 from app.fashion_mnist.augment import normalize, random_crop_flip
-from app.fashion_mnist.datafiles import CLASSES, SPLITS, FashionMNISTFiles, Source, download
+from app.fashion_mnist.datafiles import CLASSES, NAMES, SPLITS, FashionMNISTFiles, Source, download
 from app.fashion_mnist.image_folder import Invert, load_image_folder
 from app.loader import ResumableLoader, make_loader
 
@@ -69,8 +69,12 @@ class FashionMNISTDataModule(LightningDataModule):
     ) -> None:
         """
         Args:
-            data_dir: Folder holding ``FashionMNIST/raw/`` (real) and ``FashionMNIST-synthetic/raw/`` files.
+            data_dir: Folder of the real files (in ``FashionMNIST/raw/``, as torchvision lays them out, or directly
+                in it) and of the synthetic stand-in's (``FashionMNIST-synthetic/raw/``). The real files are also
+                found in the system copy, /usr/share/datasets/fashion-mnist (``apt-get install dataset-fashion-mnist``).
             source: ``auto``, ``fashion_mnist`` or ``synthetic`` (see the docstring of app/fashion_mnist/datafiles.py).
+                A checkpoint trained on another source than the one ``auto`` finds is refused by ``validate``,
+                ``test``, ``predict`` and a resumed ``fit``; naming the source runs it all the same, with a warning.
             batch_size: Samples per device and step, for every strategy. The global batch is
                 batch_size x devices x nodes (x accumulate_grad_batches per optimizer step); ``dp`` loads
                 batch_size x devices per step and splits it across its devices.
@@ -173,8 +177,61 @@ class FashionMNISTDataModule(LightningDataModule):
         # Only now that the files have loaded (a bad file stops the run before any log folder is made).
         for logger in self.trainer.loggers if self.trainer is not None else []:
             logger.log_hyperparams({"resolved_source": self.hparams.resolved_source})
+        rank_zero_info(self.data_line(stage))
         if stage == "fit" and self.trainer is not None:
             self._log_batch_size()
+
+    def data_line(self, stage: str) -> str:
+        """What this stage runs on, in one line: how many images, of which data, from which files."""
+        stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn ("test"), which prints otherwise
+        if stage == "predict" and self.hparams.predict_dir:
+            return f"Data: predict on the {len(self.predict_set):,} images in {self.hparams.predict_dir} (your own)"
+        what = self.files.describe()
+        if stage == "fit":
+            train, val = len(self.train_set), len(self.val_set)
+            return f"Data: fit on {train:,} training and {val:,} validation images of {what}"
+        if stage == "validate":
+            return (
+                f"Data: validate on the {len(self.val_set):,} validation images (held out of the training files by "
+                f"--data.seed={self.hparams.seed}) of {what}"
+            )
+        return f"Data: {stage} on the {len(self.test_set):,} test images of {what}"
+
+    @property
+    def epoch_note(self) -> str | None:
+        """Said on every epoch line of the run (app/task.py): that the data is not Fashion-MNIST."""
+        if self.hparams.get("resolved_source") == "synthetic":
+            return "SYNTHETIC data, not Fashion-MNIST"
+        return None
+
+    def check_trained_on(self, checkpoint: dict, ckpt_path: str | None = None) -> None:
+        """A checkpoint trained on another source than this run's: refused when the source was left to ``auto``,
+        a warning when this run names its source (``--data.source``), the way through. One line, naming both.
+
+        Called by the example's model when Lightning loads a checkpoint (``ImageClassifier.on_load_checkpoint``),
+        for ``fit --ckpt_path``, ``validate``, ``test`` and ``predict``; ``predict`` on ``--data.predict_dir`` reads
+        no Fashion-MNIST, and a checkpoint that does not say what it was trained on is taken as it is.
+        """
+        fn = self.trainer.state.fn if self.trainer is not None else None
+        stage = getattr(fn, "value", fn) or "this run"
+        if stage == "predict" and self.hparams.predict_dir:
+            return
+        trained = (checkpoint.get("datamodule_hyper_parameters") or {}).get("resolved_source")
+        now = self.hparams.get("resolved_source")
+        if trained not in NAMES or now not in NAMES or trained == now:
+            return
+        ckpt = ckpt_path or "the checkpoint"
+        verb = {"fit": "train"}.get(stage, stage)
+        if self.hparams.source == "auto":
+            raise UserError(
+                f"{ckpt} was trained on {NAMES[trained]}, but this {stage} would run on {NAMES[now]} "
+                f"({self.files.folder()}); pass --data.source={trained} to {verb} on what it was trained on, or "
+                f"--data.source={now} to {verb} on {NAMES[now]} all the same"
+            )
+        rank_zero_warn(
+            f"{ckpt} was trained on {NAMES[trained]}; this {stage} runs on {NAMES[now]} (--data.source={now})",
+            category=TemplateWarning,
+        )
 
     def _log_batch_size(self) -> None:
         t, b = self.trainer, self.hparams.batch_size

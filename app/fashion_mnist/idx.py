@@ -4,8 +4,9 @@ An IDX file is a 4-byte magic number ``0x00 0x00 <dtype> <ndim>``, then ``ndim``
 the data in C order. Fashion-MNIST uses dtype 0x08 (unsigned byte): images are ``(N, 28, 28)`` (magic 0x803),
 labels ``(N,)`` (magic 0x801). Files may be gzip-compressed (``.gz``), as they are distributed.
 
-MD5 sums are torchvision's (``torchvision.datasets.utils.check_integrity``, used by :mod:`app.fashion_mnist.datafiles`).
-torchvision has no IDX writer, hence :func:`write_idx` for the synthetic stand-in.
+The content's MD5 sums are checked in :mod:`app.fashion_mnist.datafiles` (:func:`read_idx_bytes` gives the
+decompressed bytes they are taken of). torchvision has no IDX writer, hence :func:`write_idx` for the synthetic
+stand-in.
 """
 
 from __future__ import annotations
@@ -31,17 +32,29 @@ class DataFileError(UserError):
 def read_idx(path: str | os.PathLike, ndim: int | None = None) -> torch.Tensor:
     """Read a uint8 IDX file (plain or ``.gz``) into a tensor, checking magic number, sizes and length."""
     # Not torchvision's read_image_file: it reads no .gz, and a bad file is a bare assert or shape error, no file name.
+    return parse_idx(read_idx_bytes(path), path, ndim)
+
+
+def read_idx_bytes(path: str | os.PathLike) -> bytes:
+    """The content of an IDX file: its bytes, decompressed when it is a ``.gz``."""
     path = Path(path)
     try:
         raw = path.read_bytes()
-        data = gzip.decompress(raw) if path.suffix == ".gz" else raw
+        return gzip.decompress(raw) if path.suffix == ".gz" else raw
     except FileNotFoundError:
         raise DataFileError(f"{path}: file not found") from None
     except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError
-        raise DataFileError(f"{path}: cannot decompress ({err}); delete it and download it again") from None
+        raise DataFileError(f"{path}: cannot decompress ({err})") from None
 
+
+def parse_idx(data: bytes, path: str | os.PathLike, ndim: int | None = None) -> torch.Tensor:
+    """The tensor an IDX file's content (``data``, read from ``path``) holds, checking magic number, sizes and length.
+
+    The errors say what is wrong with the file, not how to get a good one: that depends on where it came from
+    (:mod:`app.fashion_mnist.datafiles` adds it)."""
+    path = Path(path)
     if len(data) < 4:
-        raise DataFileError(f"{path}: truncated ({len(data)} bytes, no IDX header); delete it and download it again")
+        raise DataFileError(f"{path}: truncated ({len(data)} bytes, no IDX header)")
     zero1, zero2, dtype, dims = data[:4]
     magic = int.from_bytes(data[:4], "big")
     if zero1 or zero2 or dtype != UBYTE or (ndim is not None and dims != ndim):
@@ -49,15 +62,12 @@ def read_idx(path: str | os.PathLike, ndim: int | None = None) -> torch.Tensor:
         raise DataFileError(f"{path}: wrong magic number 0x{magic:08x} (expected {want}: uint8 IDX); not an IDX file")
     header = 4 + 4 * dims
     if len(data) < header:
-        raise DataFileError(f"{path}: truncated header; delete it and download it again")
+        raise DataFileError(f"{path}: truncated header")
     shape = struct.unpack(f">{dims}I", data[4:header])
     expected = header + math.prod(shape)
     if len(data) != expected:
         what = "truncated" if len(data) < expected else "has trailing bytes"
-        raise DataFileError(
-            f"{path}: {what}: {len(data)} bytes for shape {tuple(shape)}, expected {expected}; "
-            "delete it and download it again"
-        )
+        raise DataFileError(f"{path}: {what}: {len(data)} bytes for shape {tuple(shape)}, expected {expected}")
     if not math.prod(shape):
         return torch.empty(shape, dtype=torch.uint8)  # valid, if useless: the caller says what it needed
     return torch.frombuffer(bytearray(data[header:]), dtype=torch.uint8).reshape(shape)

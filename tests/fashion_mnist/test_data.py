@@ -1,5 +1,6 @@
 import gzip
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from app.fashion_mnist.augment import random_crop_flip
 from app.fashion_mnist.data import FashionMNISTDataModule, TensorImageDataset, keep_batch
 from app.fashion_mnist.datafiles import SPLITS
 from app.fashion_mnist.idx import DataFileError, read_idx, write_idx
+from tests.fashion_mnist.conftest import needs_system_copy
 
 
 def test_synthetic_is_deterministic_and_seeded():
@@ -156,9 +158,9 @@ def test_real_files_are_checked_against_known_md5(tmp_path):
         write_idx(dm.real_dir / f"{images_file}.gz", images)
         write_idx(dm.real_dir / f"{labels_file}.gz", labels)
     dm._download = lambda: pytest.fail("files present: no download attempted")
-    with pytest.raises(DataFileError, match=r"train-images-idx3-ubyte.gz: MD5 checksum mismatch"):
+    with pytest.raises(DataFileError, match=r"train-images-idx3-ubyte.gz: not the published Fashion-MNIST file"):
         dm.prepare_data()  # checked before any run folder exists
-    with pytest.raises(DataFileError, match=r"train-images-idx3-ubyte.gz: MD5 checksum mismatch"):
+    with pytest.raises(DataFileError, match=r"train-images-idx3-ubyte.gz: not the published Fashion-MNIST file"):
         dm.setup("fit")  # and again on ranks that did not run prepare_data
 
 
@@ -257,3 +259,289 @@ def test_val_size_is_checked_against_the_samples_loaded(tmp_path, data_dir, samp
         dm.prepare_data()  # before any run folder exists
     with pytest.raises(UserError, match=message):
         dm.setup("fit")  # and on ranks that did not prepare
+
+
+# ------------------------------------------------------------------------------------------------ the real files
+def _tiny_real(folder, monkeypatch, gz=True, extracted=False, level=9):
+    """Tiny files in Fashion-MNIST's format (20 samples a split) that count as the published ones: their content's
+    MD5 sums are patched in. ``level`` and the gzip header's mtime differ from any other copy's, as Debian's do."""
+    import hashlib
+
+    from app.fashion_mnist import datafiles
+
+    folder.mkdir(parents=True, exist_ok=True)
+    sums = {}
+    for (images_file, labels_file, _), seed in zip(SPLITS.values(), (1, 2), strict=True):
+        images, labels = synthetic.generate(20, seed=seed)
+        for name, tensor in ((images_file, images), (labels_file, labels)):
+            write_idx(folder / name, tensor)
+            content = (folder / name).read_bytes()
+            sums[name] = hashlib.md5(content).hexdigest()
+            if gz:
+                (folder / f"{name}.gz").write_bytes(gzip.compress(content, compresslevel=level, mtime=1591315200))
+            if not extracted:
+                (folder / name).unlink()
+    monkeypatch.setattr(datafiles, "CONTENT_MD5", sums, raising=False)  # (a tree without it fails on what it does)
+    return folder
+
+
+def _listing(folder):
+    return sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("source", ["auto", "fashion_mnist"])
+def test_the_real_files_are_found_in_data_dir_flat_and_in_the_system_copy(tmp_path, monkeypatch, caplog, source):
+    """In order: torchvision's layout in data_dir, the four files directly in data_dir, the system copy; no download
+    and nothing written while any of them holds the files, and the run names the one it uses."""
+    system = _tiny_real(tmp_path / "system", monkeypatch)
+    monkeypatch.setenv("FASHION_MNIST_SYSTEM_DIR", str(system))
+    data = tmp_path / "data"
+    for place, expected in [
+        (None, system),  # only the system copy
+        (data, data),  # the flat layout comes before it
+        (data / "FashionMNIST" / "raw", data / "FashionMNIST" / "raw"),  # torchvision's layout before both
+    ]:
+        if place is not None:
+            _tiny_real(place, monkeypatch)
+        before = _listing(tmp_path)
+        dm = FashionMNISTDataModule(data_dir=str(data), source=source, val_size=5)
+        dm._download = lambda: pytest.fail("the files are there: no download")
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            dm.prepare_data()
+            dm.setup("fit")
+        assert dm.hparams.resolved_source == "fashion_mnist" and dm.files.folder() == expected
+        assert len(dm.train_set) == 15 and len(dm.val_set) == 5
+        assert _listing(tmp_path) == before  # nothing written: no synthetic files, no download
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Data: ")]
+        assert line.startswith(f"Data: fit on 15 training and 5 validation images of Fashion-MNIST in {expected} ")
+        assert "\n" not in line
+
+
+def test_real_files_are_checked_by_content_whoever_compressed_them(tmp_path, monkeypatch):
+    """A .gz compressed by anyone (Debian re-compressed the published files) or an extracted file, or both side by
+    side, is accepted when its content is the published file's; another content is refused in one line naming the
+    file, without advising to delete what may not be downloadable again."""
+    raw = tmp_path / "FashionMNIST" / "raw"
+    for gz, extracted, level in [(True, False, 1), (False, True, 9), (True, True, 6)]:
+        _tiny_real(raw, monkeypatch, gz=gz, extracted=extracted, level=level)
+        dm = FashionMNISTDataModule(data_dir=str(tmp_path), source="fashion_mnist", val_size=5)
+        dm._download = lambda: pytest.fail("the files are there: no download")
+        dm.prepare_data()
+        dm.setup("test")
+        assert len(dm.test_set) == 20
+        for p in raw.iterdir():
+            p.unlink()
+
+    _tiny_real(raw, monkeypatch)
+    bad = raw / "t10k-labels-idx1-ubyte.gz"
+    content = bytearray(gzip.decompress(bad.read_bytes()))
+    content[-1] = (content[-1] + 1) % 10  # one label changed: a valid IDX file, not the published one
+    bad.write_bytes(gzip.compress(bytes(content)))
+    truncated = raw / "train-images-idx3-ubyte.gz"
+    dm = FashionMNISTDataModule(data_dir=str(tmp_path), source="fashion_mnist", val_size=5)
+    with pytest.raises(DataFileError) as refused:
+        dm.load_split("test")
+    message = str(refused.value)
+    assert message.startswith(f"{bad}: not the published Fashion-MNIST file (the MD5 of its content is "), message
+    assert "replace it with an intact copy" in message and "delete" not in message and "\n" not in message
+    truncated.write_bytes(truncated.read_bytes()[:-20])
+    with pytest.raises(DataFileError, match=rf"^{truncated}: cannot decompress") as refused:
+        dm.load_split("train")
+    assert "delete" not in str(refused.value)
+
+
+@needs_system_copy
+def test_the_system_copy_is_genuine_and_accepted_wherever_it_is_copied(tmp_path, system_copy):
+    """Debian's re-compressed files pass the content check: as they are, with --data.data_dir pointing at them, and
+    copied into the documented layout, .gz alone or with extracted copies beside them (the issue's first attempt)."""
+    import shutil
+
+    dm = FashionMNISTDataModule(data_dir=str(system_copy), source="fashion_mnist")
+    images, labels = dm.load_split("test")
+    assert dm.files.folder() == system_copy and len(labels) == 10_000
+    assert torch.bincount(labels).tolist() == [1000] * 10 and abs(images.float().mean().item() / 255 - 0.286) < 1e-3
+    raw = tmp_path / "FashionMNIST" / "raw"
+    shutil.copytree(system_copy, raw)
+    (raw / "t10k-labels-idx1-ubyte").write_bytes(gzip.decompress((raw / "t10k-labels-idx1-ubyte.gz").read_bytes()))
+    dm = FashionMNISTDataModule(data_dir=str(tmp_path), source="auto")
+    dm._download = lambda: pytest.fail("the files are there: no download")
+    assert torch.equal(dm.load_split("test")[1], labels) and dm.files.folder() == raw
+
+
+def test_a_folder_that_is_not_the_templates_own_is_never_written(tmp_path, monkeypatch, data_dir):
+    """A read-only data_dir (read-only for root too), the system copy's folder and anything under /usr get no file:
+    the synthetic stand-in goes to the template's folder in the user's cache, and no download is tried there."""
+    import shutil
+
+    from app.fashion_mnist.datafiles import FashionMNISTFiles
+
+    cache = tmp_path / "cache" / "fashion-resnet-template" / "FashionMNIST-synthetic" / "raw"
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    (read_only / "notes.txt").write_text("the owner's")
+    read_only.chmod(0o555)
+    try:
+        before = _listing(read_only)
+        dm = FashionMNISTDataModule(data_dir=str(read_only), source="auto", val_size=100)
+        dm._download = lambda: pytest.fail("no download into a read-only folder")
+        with pytest.warns(UserWarning, match=rf"not downloaded: {read_only} is read-only") as caught:
+            dm.prepare_data()
+        assert f"Using the SYNTHETIC stand-in in {cache} instead" in str(caught[-1].message)
+        dm.setup("fit")
+        assert dm.hparams.resolved_source == "synthetic" and dm.synthetic_dir == cache
+        assert _listing(read_only) == before
+        FashionMNISTDataModule(data_dir=str(read_only / "new"), source="synthetic").prepare_data()
+        assert _listing(read_only) == before and (cache / "GENERATOR").is_file()
+    finally:
+        read_only.chmod(0o755)
+
+    system = _tiny_real(tmp_path / "system", monkeypatch)  # also what a data_dir holding the real files gets
+    monkeypatch.setenv("FASHION_MNIST_SYSTEM_DIR", str(system))
+    before = _listing(system)
+    FashionMNISTDataModule(data_dir=str(system), source="synthetic").prepare_data()
+    assert _listing(system) == before
+    for folder, why in [(system, "the system copy's folder"), ("/usr/share/datasets/x", "a system folder, under /usr")]:
+        files = FashionMNISTFiles(Path(folder), "synthetic")
+        assert files.not_ours() == why and files.synthetic_dir == cache
+
+    # a read-only folder that already holds this generator's stand-in is read where it is
+    shutil.copytree(data_dir, tmp_path / "shipped")
+    (tmp_path / "shipped").chmod(0o555)
+    try:
+        dm = FashionMNISTDataModule(data_dir=str(tmp_path / "shipped"), source="synthetic")
+        assert dm.synthetic_dir == tmp_path / "shipped" / "FashionMNIST-synthetic" / "raw"
+    finally:
+        (tmp_path / "shipped").chmod(0o755)
+
+
+# ------------------------------------------------------------------------------------------ runs, as users run them
+def _cli(cwd, *args, timeout=240):
+    import sys
+
+    from tests import warm
+    from tests.conftest import ROOT
+
+    return warm.run(
+        [sys.executable, str(ROOT / "cli.py"), *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module")
+def synthetic_run(tmp_path_factory, data_dir):
+    """``cli.py fit`` on the synthetic stand-in (two short epochs), from a folder of its own: (result, last.ckpt)."""
+    from tests.conftest import CPU_TEST_CONFIG
+
+    cwd = tmp_path_factory.mktemp("synthetic-run")
+    result = _cli(
+        cwd, "fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}", "--trainer.limit_train_batches=2",
+        "--trainer.limit_val_batches=1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result, cwd / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+
+
+@pytest.mark.slow
+def test_every_epoch_line_of_a_synthetic_run_says_so_and_each_run_names_its_data(synthetic_run, data_dir, tmp_path):
+    """Not only one warning above the model summary: every epoch line ends with the data module's note
+    (``epoch_note``, read by the machinery's RunReport); fit, validate, test and predict each name their data."""
+    from tests.conftest import CPU_TEST_CONFIG
+
+    result, ckpt = synthetic_run
+    output = result.stdout + result.stderr
+    epochs = [line for line in output.splitlines() if line.startswith("epoch ")]
+    assert len(epochs) == 2 and all(line.endswith(" | SYNTHETIC data, not Fashion-MNIST") for line in epochs), epochs
+    stand_in = f"the SYNTHETIC stand-in in {data_dir / 'FashionMNIST-synthetic' / 'raw'} (not Fashion-MNIST)"
+    assert f"Data: fit on 59,744 training and 256 validation images of {stand_in}" in output
+    expected = {
+        "validate": f"Data: validate on the 256 validation images (held out of the training files by --data.seed=42) "
+        f"of {stand_in}",
+        "test": f"Data: test on the 10,000 test images of {stand_in}",
+        "predict": f"Data: predict on the 10,000 test images of {stand_in}",
+    }
+    for stage, line in expected.items():
+        run = _cli(
+            tmp_path, stage, "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}", f"--ckpt_path={ckpt}"
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        data_lines = [x for x in (run.stdout + run.stderr).splitlines() if x.startswith("Data: ")]
+        assert data_lines == [line], data_lines
+
+
+@pytest.mark.slow
+def test_a_checkpoint_trained_on_other_data_is_refused_unless_the_source_is_named(
+    synthetic_run, data_dir, tmp_path, monkeypatch, capsys, recwarn
+):
+    """A checkpoint whose hyperparameters say it was trained on Fashion-MNIST, tested where ``auto`` finds only the
+    stand-in: one line naming both and the way through, exit 2, no run folder; ``--data.source`` runs it anyway,
+    with a warning that names both. A resumed fit follows the same rule."""
+    from tests.conftest import CPU_TEST_CONFIG
+    from tests.fashion_mnist.conftest import run_cli
+
+    _, ckpt = synthetic_run
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert checkpoint["datamodule_hyper_parameters"]["resolved_source"] == "synthetic"
+    checkpoint["datamodule_hyper_parameters"]["resolved_source"] = "fashion_mnist"  # as trained on the real data
+    real = tmp_path / "real.ckpt"
+    torch.save(checkpoint, real)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(FashionMNISTDataModule, "_download", lambda self: (_ for _ in ()).throw(OSError("no network")))
+    common = ("--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}", f"--ckpt_path={real}")
+    for stage, more, verb in [("test", (), "test"), ("fit", ("--trainer.max_epochs=3",), "train")]:
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(stage, *common, *more, "--data.source=auto")
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"error: {real} was trained on Fashion-MNIST, but this {stage} would run on the SYNTHETIC stand-in "
+            f"({data_dir / 'FashionMNIST-synthetic' / 'raw'}); pass "
+            f"--data.source=fashion_mnist to {verb} on what it was trained on, or --data.source=synthetic to {verb} "
+            "on the SYNTHETIC stand-in all the same"
+        )
+        assert not (tmp_path / "lightning_logs").exists()
+    recwarn.clear()
+    run_cli("test", *common, "--data.source=synthetic")
+    (warned,) = [str(w.message) for w in recwarn if "was trained on" in str(w.message)]
+    assert (
+        warned
+        == f"{real} was trained on Fashion-MNIST; this test runs on the SYNTHETIC stand-in (--data.source=synthetic)"
+    )
+
+
+@needs_system_copy
+@pytest.mark.slow
+def test_a_synthetic_checkpoint_is_not_scored_silently_on_the_real_data(synthetic_run, tmp_path, system_copy):
+    """The issue's run: trained offline on the stand-in, tested once the real files are installed."""
+    from tests.conftest import CPU_TEST_CONFIG
+
+    _, ckpt = synthetic_run
+    args = ("test", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={tmp_path / 'data'}", f"--ckpt_path={ckpt}")
+    refused = _cli(tmp_path, *args, "--data.source=auto")
+    assert refused.returncode == 2
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {ckpt} was trained on the SYNTHETIC stand-in, but this test would run on ")
+    assert f"Fashion-MNIST ({system_copy})" in last and "--data.source=fashion_mnist to test on Fashion-MNIST" in last
+    named = _cli(tmp_path, *args, "--data.source=fashion_mnist")
+    assert named.returncode == 0, named.stderr[-3000:]
+    assert f"{ckpt} was trained on the SYNTHETIC stand-in; this test runs on Fashion-MNIST" in named.stderr
+    assert f"Data: test on the 10,000 test images of Fashion-MNIST in {system_copy} " in named.stdout + named.stderr
+
+
+@needs_system_copy
+@pytest.mark.slow
+def test_the_readme_train_command_from_a_fresh_folder_trains_on_the_system_copy(tmp_path, system_copy):
+    """``make train`` (cli.py fit --config configs/quickstart.yaml), shortened, from a folder with nothing in it:
+    the real files of the system copy, named in one line; nothing written there or into the folder's data/."""
+    from tests.conftest import ROOT
+
+    before = _listing(system_copy.parent)
+    config = str(ROOT / "configs" / "quickstart.yaml")
+    limits = ("--trainer.max_epochs=1", "--trainer.limit_train_batches=3", "--trainer.limit_val_batches=2")
+    result = _cli(tmp_path, "fit", "--config", config, *limits)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    assert (
+        f"Data: fit on 55,000 training and 5,000 validation images of Fashion-MNIST in {system_copy} (the system copy, "
+        "Debian's dataset-fashion-mnist; gzip'd files)"
+    ) in output
+    assert "SYNTHETIC" not in output and "stand-in" not in output
+    assert _listing(system_copy.parent) == before and not (tmp_path / "data").exists()
