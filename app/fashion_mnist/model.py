@@ -83,7 +83,8 @@ class ImageClassifier(LightningModule):
     ) -> None:
         """
         Args:
-            arch: torchvision ResNet with d2l's 28x28 stem; ``resnet_tiny`` is a small one for CPU tests.
+            arch: torchvision ResNet with d2l's 28x28 stem; ``resnet_tiny`` is a small one for CPU tests,
+                ``resnet_mini`` the quickstart's.
             num_classes: Output classes (Fashion-MNIST has 10).
             norm: ``batch`` (BatchNorm, as d2l) or ``group`` (GroupNorm: no coupling between samples).
             label_smoothing: Cross-entropy label smoothing in [0, 1).

@@ -545,3 +545,25 @@ def test_the_readme_train_command_from_a_fresh_folder_trains_on_the_system_copy(
     ) in output
     assert "SYNTHETIC" not in output and "stand-in" not in output
     assert _listing(system_copy.parent) == before and not (tmp_path / "data").exists()
+
+
+@needs_system_copy
+@pytest.mark.slow
+def test_the_quickstart_reaches_test_accuracy_0_90_on_the_real_data(tmp_path, system_copy):
+    """The README's ``make train`` whole (configs/quickstart.yaml, two epochs, about two minutes here), then its
+    test: at least 0.90 of the 10,000 real test images (0.9096 measured, bench/results/quickstart-cpu.md)."""
+    import csv
+
+    from tests.conftest import ROOT
+
+    config = str(ROOT / "configs" / "quickstart.yaml")
+    fit = _cli(tmp_path, "fit", "--config", config, timeout=900)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    logs = tmp_path / "lightning_logs"
+    ckpt = logs / "version_0" / "checkpoints" / "last.ckpt"
+    tested = _cli(tmp_path, "test", "--config", config, "--ckpt_path", str(ckpt))
+    assert tested.returncode == 0, tested.stderr[-3000:]
+    assert f"Data: test on the 10,000 test images of Fashion-MNIST in {system_copy} " in tested.stdout + tested.stderr
+    with open(logs / "version_1" / "metrics.csv", newline="") as f:
+        (accuracy,) = [float(row["test/acc"]) for row in csv.DictReader(f) if row.get("test/acc")]
+    assert accuracy >= 0.90

@@ -9,7 +9,10 @@ from app.fashion_mnist.networks import ARCHS, build_resnet
 def test_every_arch_takes_28x28_grayscale(arch):
     net = build_resnet(arch, num_classes=10).eval()
     assert net.conv1.in_channels == 1 and net.conv1.kernel_size == (3, 3) and net.conv1.stride == (1, 1)
-    assert isinstance(net.maxpool, torch.nn.Identity)
+    if arch == "resnet_mini":  # the quickstart's: its stages start at 14x14
+        assert isinstance(net.maxpool, torch.nn.MaxPool2d) and net.maxpool.kernel_size == 2
+    else:  # d2l's stem: the stages start at 28x28
+        assert isinstance(net.maxpool, torch.nn.Identity)
     with torch.no_grad():
         assert net(torch.zeros(2, 1, 28, 28)).shape == (2, 10)
 
@@ -29,6 +32,23 @@ def test_tiny_is_small_and_group_norm_has_no_batchnorm():
     assert sum(p.numel() for p in tiny.parameters()) < 400_000
     assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in tiny.modules())
     assert any(isinstance(m, torch.nn.GroupNorm) for m in tiny.modules())
+
+
+def test_mini_is_tiny_at_a_quarter_of_the_pixels():
+    """resnet_mini has resnet_tiny's weights, at about 1/4 of its compute: a quickstart that sees more images."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    flops = {}
+    for arch in ("resnet_tiny", "resnet_mini"):
+        net = build_resnet(arch).eval()
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            net(torch.zeros(1, 1, 28, 28))
+        flops[arch] = counter.get_total_flops()
+        shapes = {name: tuple(t.shape) for name, t in net.state_dict().items()}
+        if arch == "resnet_tiny":
+            tiny_shapes = shapes
+    assert shapes == tiny_shapes
+    assert 0.2 < flops["resnet_mini"] / flops["resnet_tiny"] < 0.35
 
 
 def test_unknown_arch_names_the_flag():
