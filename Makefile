@@ -17,7 +17,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(VENV)/.installed: $(BIN)/python setup.cfg pyproject.toml
-	$(BIN)/python -m pip install --quiet -e .
+	$(BIN)/python -m pip install --quiet -e ".[tensorboard,plot]"  # what the README's next steps use: TensorBoard, cli.py plot
 	touch $@
 
 $(VENV)/.installed-dev: $(BIN)/python setup.cfg pyproject.toml

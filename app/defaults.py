@@ -25,11 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from jsonargparse import Namespace
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.loggers import CSVLogger
 
 from app.callbacks import RankWatchdog
 from app.checkpoint_io import SafeCheckpointIO
 from app.errors import UserError
+from app.loggers import TensorBoardLogger
 from app.resume import newest_last_ckpt
 from app.run_dir import claim_versions
 from app.task import DEFAULT_SPEC, TaskSpec, import_class, spec_of
@@ -74,7 +75,7 @@ def trainer_defaults(
         claim_versions(configs)
         kinds = {
             "lightning.pytorch.loggers.CSVLogger": CSVLogger,
-            "lightning.pytorch.loggers.TensorBoardLogger": TensorBoardLogger,
+            "app.loggers.TensorBoardLogger": TensorBoardLogger,
         }
         kwargs["logger"] = [kinds[c.class_path](**vars(c.init_args)) for c in configs]
     return kwargs
@@ -158,7 +159,8 @@ def default_callbacks(trainer_config: dict, own: list, drop: list[str], spec: Ta
 
 
 def default_loggers(save_dir: str = ".") -> list[dict]:
-    """CSV always (metrics.csv); TensorBoard too when it is installed. Both write to lightning_logs/version_N."""
+    """CSV always (metrics.csv); TensorBoard too when it is installed (:mod:`app.loggers`: accuracy and loss first).
+    Both write to lightning_logs/version_N."""
     csv = {"save_dir": save_dir, "name": "lightning_logs"}
     loggers = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": csv}]
     try:
@@ -166,4 +168,4 @@ def default_loggers(save_dir: str = ".") -> list[dict]:
     except ImportError:
         return loggers
     tb = {"save_dir": save_dir, "name": "lightning_logs", "default_hp_metric": False}
-    return loggers + [{"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": tb}]
+    return loggers + [{"class_path": "app.loggers.TensorBoardLogger", "init_args": tb}]

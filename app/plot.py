@@ -3,8 +3,11 @@
 
 Reads the run's ``metrics.csv`` (written by the CSV logger), joined to those of the runs it resumed from, and
 writes ``plot.png`` in the same folder (``--out`` to choose another path): the epoch losses over the per-step loss,
-the accuracies, and training images/s from 0. The title says which data the run trained on, in red when it was the
-synthetic stand-in. Needs matplotlib: ``pip install -e ".[plot]"``.
+the accuracies, and training images/s from 0. Epochs are numbered as the console and the checkpoints number them
+(from 0); epoch e's per-step losses spread over e - 0.5 to e + 0.5. A ``cli.py test`` of one of the run's
+checkpoints (a later ``lightning_logs/version_N`` whose config names it) is drawn as a dashed line with its score
+on the panel of the same metric (``test/acc`` on ``val/acc``'s). The title says which data the run trained on, in red
+when it was the synthetic stand-in. Needs matplotlib: ``pip install -e ".[plot]"``.
 """
 
 from __future__ import annotations
@@ -115,7 +118,7 @@ def panels(series: dict[str, list]) -> list[tuple[str, tuple[str, ...]]]:
 
 
 def step_losses(run_dir: Path) -> list[tuple[float, float]]:
-    """``[(x, loss), ...]`` of the per-step training loss, x in epochs trained: epoch e's steps over (e, e + 1]."""
+    """``[(x, loss), ...]`` of the per-step training loss: epoch e's steps over (e - 0.5, e + 0.5], around its point."""
     per_epoch: dict[int, dict[int, float]] = defaultdict(dict)
     for metrics_csv, row in run_rows(run_dir):
         if row.get(STEP_LOSS) and row.get("epoch") and row.get("step"):
@@ -124,8 +127,35 @@ def step_losses(run_dir: Path) -> list[tuple[float, float]]:
     points = []
     for epoch, losses in sorted(per_epoch.items()):
         steps = sorted(losses)
-        points += [(epoch + (i + 1) / len(steps), losses[s]) for i, s in enumerate(steps)]
+        points += [(epoch - 0.5 + (i + 1) / len(steps), losses[s]) for i, s in enumerate(steps)]
     return points
+
+
+def tests_of(run_dir: Path) -> list[tuple[str, str, float]]:
+    """``[(metric, label, value), ...]``: the scores of the ``cli.py test`` runs of this run's checkpoints, found as
+    the run folders beside it whose ``config.yaml`` names a checkpoint in ``run_dir/checkpoints``."""
+    import yaml
+
+    found = []
+    for folder in sorted(run_dir.parent.iterdir()):
+        config_file, metrics_csv = folder / "config.yaml", folder / "metrics.csv"
+        if folder == run_dir or not config_file.is_file() or not metrics_csv.is_file():
+            continue
+        try:
+            config = yaml.safe_load(config_file.read_text()) or {}
+        except (yaml.YAMLError, UnicodeDecodeError):
+            continue
+        ckpt = config.get("ckpt_path") if isinstance(config, dict) else None
+        if not isinstance(ckpt, str) or Path(ckpt).parent.name != "checkpoints":
+            continue
+        owner = Path(ckpt).parent.parent
+        if owner.is_absolute() and owner.resolve() != run_dir.resolve() or owner.name != run_dir.name:
+            continue
+        for row in _read_rows(metrics_csv):
+            for name, value in row.items():
+                if name.startswith("test/") and value:
+                    found.append((name, f"{name} {float(value):.4f} ({folder.name}: {Path(ckpt).name})", float(value)))
+    return found
 
 
 def data_source(run_dir: Path) -> str | None:
@@ -161,6 +191,7 @@ def figure(run_dir: str | Path):
     layout = panels(series)
     if not layout:
         raise UserError(f"{metrics_csv}: no per-epoch metrics yet (has an epoch finished?)")
+    tested = tests_of(run_dir)
     fig, axes = plt.subplots(1, len(layout), figsize=(5 * len(layout), 3.8), constrained_layout=True, squeeze=False)
     axes = list(axes[0])
     for ax, (title, names) in zip(axes, layout, strict=True):
@@ -168,10 +199,13 @@ def figure(run_dir: str | Path):
             ax.plot(*zip(*steps, strict=True), color="0.6", linewidth=0.8, alpha=0.6, label=f"{STEP_LOSS} (per step)")
         for name in names:
             if series.get(name):
-                epochs, values = zip(*series[name], strict=True)
-                ax.plot([e + 1 for e in epochs], values, marker="o", label=name)  # at the end of epoch e
+                ax.plot(*zip(*series[name], strict=True), marker="o", label=name)
+        panel_metrics = {name.rpartition("/")[2].removesuffix("_epoch") for name in names}
+        for metric, label, value in tested:
+            if metric.removeprefix("test/") in panel_metrics:
+                ax.axhline(value, color="black", linestyle="--", linewidth=1, label=label)
         ax.set_title(title)
-        ax.set_xlabel("epochs trained")
+        ax.set_xlabel("epoch")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
         ax.grid(alpha=0.3)
         if ax.lines:

@@ -1,8 +1,22 @@
-"""``python cli.py export``: a trained checkpoint as a plain network file that needs no Lightning to use.
+"""``python cli.py export``: a trained checkpoint as a file for inference, in the format ``--out``'s suffix names.
 
+    python cli.py export --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --out model.pt2
     python cli.py export --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --out model.pt
 
-The file is a dict of plain data (it loads with ``torch.load(path, weights_only=True)``):
+``model.pt2`` is a self-contained program (``torch.export``): it runs with torch alone, without this project,
+Lightning or torchvision. Its input is images as floats in [0, 1], shape ``[N, 1, 28, 28]`` for any N (what
+torchvision's ``ToTensor`` gives); the normalisation is inside; its output is the ``[N, classes]`` logits::
+
+    import json, torch
+    extra = {"fashion_resnet.json": ""}
+    program = torch.export.load("model.pt2", extra_files=extra)
+    classes = json.loads(extra["fashion_resnet.json"])["classes"]
+    predicted = program.module()(images).argmax(1)
+
+``fashion_resnet.json``, stored in it, holds what the ``.pt`` file's keys below hold, less the weights.
+
+``model.pt`` is a dict of plain data (it loads with ``torch.load(path, weights_only=True)``) that needs this
+project's :func:`~app.fashion_mnist.networks.build_resnet` to become a network again:
 
 - ``state_dict``: the network's weights with torchvision's names (no ``net.``/``module.`` prefixes);
 - ``network``: the arguments of :func:`app.fashion_mnist.networks.build_resnet` that rebuild it (arch, num_classes,
@@ -13,7 +27,7 @@ The file is a dict of plain data (it loads with ``torch.load(path, weights_only=
   ``global_step``, ``checkpoint`` (the path exported) and ``git_commit`` (of this checkout, ``+dirty`` with
   uncommitted changes; None outside a git checkout).
 
-To use it::
+To use the ``.pt`` file::
 
     from app.fashion_mnist.export import load_exported
     net = load_exported("model.pt")            # eval mode
@@ -23,6 +37,7 @@ To use it::
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -38,12 +53,18 @@ from app.fashion_mnist.model import check_weights_fit, load_checkpoint, network_
 from app.fashion_mnist.networks import build_resnet
 
 FORMAT = "fashion-resnet-export/1"
+PROGRAM_FORMAT = "fashion-resnet-program/1"
+SUFFIXES = {".pt2": "a torch.export program, runs with torch alone", ".pt": "weights for build_resnet"}
+METADATA = "fashion_resnet.json"  # the pt2 file's extra file with the export's metadata
 
 
 def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     out = Path(out)
     if out.is_dir():
-        raise UserError(f"--out {out} is a folder; give a file name such as {out / 'model.pt'}")
+        raise UserError(f"--out {out} is a folder; give a file name such as {out / 'model.pt2'}")
+    if out.suffix not in SUFFIXES:
+        choices = "; ".join(f"{suffix} ({what})" for suffix, what in SUFFIXES.items())
+        raise UserError(f"--out {out}: the suffix names the format, one of {choices}")
     if out.exists() and not overwrite:
         raise UserError(f"--out {out} already exists; choose another path or pass --overwrite")
     checkpoint = load_checkpoint(ckpt_path)
@@ -69,15 +90,40 @@ def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> P
     if bad:
         raise UserError(f"{ckpt_path}: {len(bad)} weight tensor(s) hold inf or nan (e.g. {bad[0]}): a diverged run")
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.name}.partial")
+    partial = out.with_name(f".{out.stem}.partial{out.suffix}")  # torch.export.save wants its suffix
     try:
-        torch.save(payload, partial)
+        if out.suffix == ".pt2":
+            metadata = {key: value for key, value in payload.items() if key != "state_dict"}
+            metadata["format"] = PROGRAM_FORMAT
+            torch.export.save(export_program(net), partial, extra_files={METADATA: json.dumps(metadata)})
+        else:
+            torch.save(payload, partial)
         os.replace(partial, out)  # a reader never sees half a file
     except OSError as err:
         raise UserError(f"--out {out}: cannot write it ({err.strerror or err})") from None
     finally:
         partial.unlink(missing_ok=True)
     return out
+
+
+class FromPixels(nn.Module):
+    """The network with its input normalisation inside: images in [0, 1], ``[N, 1, 28, 28]`` -> logits."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.register_buffer("mean", torch.tensor(MEAN))
+        self.register_buffer("std", torch.tensor(STD))
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.net((images - self.mean) / self.std)
+
+
+def export_program(net: nn.Module) -> torch.export.ExportedProgram:
+    """``net`` in eval mode as a ``torch.export`` program of any batch size."""
+    batch = torch.export.Dim("batch", min=1)
+    example = torch.zeros(2, 1, 28, 28)
+    return torch.export.export(FromPixels(net).eval(), (example,), dynamic_shapes=({0: batch},))
 
 
 def trained_on(checkpoint: dict) -> str:
@@ -135,7 +181,12 @@ def load_exported(path: str | Path) -> nn.Module:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="cli.py export", description=__doc__.splitlines()[0])
     parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by `cli.py fit`")
-    parser.add_argument("--out", required=True, help="the file to write, e.g. model.pt")
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="the file to write: model.pt2 (a torch.export program that runs with torch alone) or model.pt "
+        "(weights that this project's build_resnet turns back into a network)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
     path = export(args.ckpt_path, args.out, args.overwrite)

@@ -1,6 +1,7 @@
 """plot, export and predict-on-a-folder, from a real short training run."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from app.fashion_mnist.networks import build_resnet
 from app.plot import epoch_metrics
 from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT
-from tests.fashion_mnist.conftest import run_cli
+from tests.fashion_mnist.conftest import SYSTEM_COPY, needs_system_copy, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +72,48 @@ def test_plot_reads_as_a_person_expects(run_dir):
     per_step = [line for line in loss_ax.lines if "per step" in line.get_label()]
     steps = [row for row in read_rows(run_dir / "metrics.csv") if row.get("train/loss")]
     assert len(per_step) == 1 and len(per_step[0].get_xdata()) == len(steps) == len(step_losses(run_dir))
-    assert max(per_step[0].get_xdata()) == 2  # two epochs trained
+    assert max(per_step[0].get_xdata()) == 1.5  # epoch 1's steps end half way to epoch 2
+    for ax in fig.axes:  # the epochs as the console's epoch lines and the checkpoint names number them: 0 and 1
+        assert {tuple(line.get_xdata()) for line in ax.lines if "per step" not in line.get_label()} == {(0, 1)}
     assert speed_ax.get_ylim()[0] == 0
     assert "SYNTHETIC stand-in" in fig._suptitle.get_text()
+    assert acc_ax.get_xlabel() == "epoch"
+
+
+def test_plot_draws_the_test_score_of_a_checkpoint_of_the_run(run_dir, data_dir, tmp_path):
+    """A ``cli.py test`` of the run's checkpoint is a dashed line at its score on the panel of that metric."""
+    import shutil
+
+    from app.plot import figure
+
+    run = tmp_path / "lightning_logs" / "version_0"
+    shutil.copytree(run_dir, run)
+    ckpt = run / "checkpoints" / "last.ckpt"
+    tested = cli("test", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--ckpt_path",
+                 str(ckpt), cwd=tmp_path)  # fmt: skip
+    assert tested.returncode == 0, tested.stderr[-2000:]
+    (row,) = [row for row in read_rows(tmp_path / "lightning_logs" / "version_1" / "metrics.csv") if row["test/acc"]]
+    loss_ax, acc_ax, _ = figure(run).axes
+    for ax, metric in ((acc_ax, "test/acc"), (loss_ax, "test/loss")):
+        (line,) = [line for line in ax.lines if line.get_label().startswith(metric)]
+        assert line.get_linestyle() == "--" and set(line.get_ydata()) == {float(row[metric])}
+        assert line.get_label() == f"{metric} {float(row[metric]):.4f} (version_1: last.ckpt)"
+
+
+def test_tensorboard_opens_on_the_accuracy_and_the_loss(run_dir):
+    """TensorBoard shows its groups of scalars in alphabetical order: the accuracy's and the loss's come first,
+    each with its splits side by side, and no "epoch" staircase; the values are metrics.csv's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = run_dir.glob("events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    tags = accumulator.Tags()["scalars"]
+    groups = sorted({tag.partition("/")[0] for tag in tags})
+    assert groups[:2] == ["acc", "loss"] and "epoch" not in tags, groups
+    assert {"acc/train", "acc/val", "loss/train", "loss/val"} <= set(tags)
+    val_acc = [float(row["val/acc"]) for row in read_rows(run_dir / "metrics.csv") if row["val/acc"]]
+    assert [event.value for event in accumulator.Scalars("acc/val")] == pytest.approx(val_acc, rel=1e-6)
 
 
 def read_rows(path) -> list[dict]:
@@ -151,6 +191,96 @@ def test_export_rebuilds_the_network_with_identical_predictions(run_dir, tmp_pat
     assert torch.equal(
         torch.load(out, weights_only=True)["state_dict"]["fc.weight"], payload["state_dict"]["fc.weight"]
     )
+
+
+# What a user does with model.pt2 on a machine without this project: torch alone. Any import of the project, Lightning
+# or torchvision fails, so a program that needed them could not score.
+SCORE_WITH_TORCH_ALONE = """
+import importlib.abc, json, sys
+
+class WithoutTheProject(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {"app", "tests", "lightning", "pytorch_lightning", "torchvision", "torchmetrics"}:
+            raise ImportError(f"the exported program needs {name}")
+
+sys.meta_path.insert(0, WithoutTheProject())
+import torch
+
+extra = {"fashion_resnet.json": ""}
+program = torch.export.load(sys.argv[1], extra_files=extra).module()
+images, labels = torch.load(sys.argv[2], weights_only=True)
+with torch.no_grad():
+    logits = [program(images[i : i + 1000, None].float() / 255) for i in range(0, len(images), 1000)]
+predicted = torch.cat(logits).argmax(1)
+print(json.dumps({"correct": int((predicted == labels).sum()), "metadata": json.loads(extra["fashion_resnet.json"])}))
+"""
+
+
+def tested_accuracy(version_dir) -> float:
+    (acc,) = [float(row["test/acc"]) for row in read_rows(version_dir / "metrics.csv") if row.get("test/acc")]
+    return acc
+
+
+@pytest.mark.parametrize("data", ["generated", pytest.param("real", marks=needs_system_copy)])
+def test_an_exported_program_scores_the_test_set_as_its_checkpoint_with_torch_alone(data, run_dir, data_dir, request):
+    """``cli.py export --out model.pt2`` gives a program that needs torch alone, and it scores the test images
+    exactly as ``cli.py test`` scores its checkpoint; on the real Fashion-MNIST where it is installed."""
+    workdir = run_dir.parent.parent
+    if data == "real":  # a short run of its own on the real data: a checkpoint is tested on what it was trained on
+        request.getfixturevalue("system_copy")
+        workdir = request.getfixturevalue("tmp_path") / "real"
+        workdir.mkdir()
+        fit = cli("fit", "--config", str(CPU_TEST_CONFIG), "--data.source=fashion_mnist", "--data.batch_size=64",
+                  "--trainer.max_epochs=1", "--trainer.limit_train_batches=40", cwd=workdir)  # fmt: skip
+        assert fit.returncode == 0, fit.stderr[-2000:]
+        images, labels = (
+            read_idx(SYSTEM_COPY / "t10k-images-idx3-ubyte.gz"),
+            read_idx(SYSTEM_COPY / "t10k-labels-idx1-ubyte.gz"),
+        )
+        source = ["--data.source=fashion_mnist"]
+    else:
+        raw = data_dir / "FashionMNIST-synthetic" / "raw"
+        images, labels = read_idx(raw / "t10k-images-idx3-ubyte"), read_idx(raw / "t10k-labels-idx1-ubyte")
+        source = ["--data.data_dir", str(data_dir)]
+    versions = workdir / "lightning_logs"
+    ckpt = versions / "version_0" / "checkpoints" / "last.ckpt"
+    before = {path.name for path in versions.iterdir()}
+    tested = cli("test", "--config", str(CPU_TEST_CONFIG), *source, "--trainer.limit_test_batches=1.0",
+                 "--ckpt_path", str(ckpt), cwd=workdir)  # fmt: skip
+    assert tested.returncode == 0, tested.stderr[-2000:]
+    (version,) = {path.name for path in versions.iterdir()} - before
+    checkpoint_accuracy = tested_accuracy(versions / version)
+
+    program = workdir / f"model-{data}.pt2"
+    exported = cli("export", "--ckpt_path", str(ckpt), "--out", str(program), cwd=workdir)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    test_set = workdir / f"test-set-{data}.pt"
+    torch.save((images, labels), test_set)
+    elsewhere = request.getfixturevalue("tmp_path_factory").mktemp("elsewhere")
+    scored = subprocess.run(
+        [sys.executable, "-I", "-c", SCORE_WITH_TORCH_ALONE, str(program), str(test_set)],
+        capture_output=True, text=True, timeout=300, cwd=elsewhere, env={"PATH": os.environ["PATH"]},
+    )  # fmt: skip
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    result = json.loads(scored.stdout)
+    assert result["correct"] / len(labels) == pytest.approx(checkpoint_accuracy, abs=1e-6), (
+        result,
+        checkpoint_accuracy,
+    )
+    assert result["metadata"]["trained_on"] == ("fashion_mnist" if data == "real" else "synthetic")
+    assert result["metadata"]["classes"][0] == "T-shirt/top" and result["metadata"]["input"] == [1, 28, 28]
+    if data == "real":
+        assert checkpoint_accuracy > 0.5  # trained on it: far above chance (0.1)
+
+
+def test_export_names_the_formats_when_the_suffix_is_none_of_them(run_dir, tmp_path, capsys):
+    out = tmp_path / "model.onnx"
+    code, err = exit_code_and_stderr(
+        capsys, "export", "--ckpt_path", str(run_dir / "checkpoints" / "last.ckpt"), "--out", str(out)
+    )
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--out {out}: the suffix names the format" in err and ".pt2" in err and ".pt (" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("case", ["missing", "truncated", "weights of another network"])
