@@ -36,6 +36,12 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
 11. :func:`free_strategy_name` — Lightning's accelerator connector refuses any strategy registered under a name
    its own ``FSDPStrategy`` registered (``"fsdp"``) unless the accelerator is a GPU; the template's ``fsdp``
    (app/strategies/fsdp.py) runs on CPU too, so the name leaves that list when the template takes it over.
+
+Private names of torch, Lightning, torchvision and argparse used elsewhere in ``app/`` are listed in
+:data:`PRIVATE_USES`, each with the class or module that has it and why: the strategies' launcher protocol, and a
+few that no public API replaces. ``tests/test_lightning_internals.py`` reads every file's syntax tree
+(tests/private_api.py) and fails on a use that is not listed here, and checks that each listed name still exists
+where it says.
 """
 
 from __future__ import annotations
@@ -47,6 +53,65 @@ import weakref
 from collections.abc import Iterator
 
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
+
+# (file, private name) -> (where the name lives: "module:Class" or "module", why no public API serves)
+PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
+    # The launcher protocol: a strategy picks its launcher by overriding _configure_launcher, which sets
+    # self._launcher (Lightning's own strategies do the same; there is no public hook).
+    ("app/strategies/dp.py", "_configure_launcher"): (
+        "lightning.pytorch.strategies:Strategy",
+        "no launcher: one process",
+    ),
+    ("app/strategies/dp.py", "_launcher"): ("lightning.pytorch.strategies:Strategy", "the launcher protocol"),
+    ("app/strategies/horovod.py", "_configure_launcher"): (
+        "lightning.pytorch.strategies:Strategy",
+        "mpirun's launcher, or a self-launch of the ranks under mpirun",
+    ),
+    ("app/strategies/horovod.py", "_launcher"): ("lightning.pytorch.strategies:Strategy", "the launcher protocol"),
+    ("app/strategies/pipeline.py", "_configure_launcher"): (
+        "lightning.pytorch.strategies:DDPStrategy",
+        "DDP's launcher for the stages' processes (super()._configure_launcher())",
+    ),
+    ("app/strategies/split.py", "_configure_launcher"): (
+        "lightning.pytorch.strategies:DDPStrategy",
+        "DDP's launcher for the model-parallel strategies' processes (super()._configure_launcher())",
+    ),
+    ("app/strategies/launch.py", "_strategy"): (
+        "lightning.pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher",
+        "the launcher's strategy, which ResultsLauncher (above) inherits and mpirun's launcher reads",
+    ),
+    # Lightning's optimizer wrapper: torch's distributed-checkpoint state dicts want the torch optimizer inside.
+    ("app/strategies/fsdp.py", "_optimizer"): (
+        "lightning.pytorch.core.optimizer:LightningOptimizer",
+        "the wrapped optimizer",
+    ),
+    ("app/strategies/pipeline.py", "_optimizer"): (
+        "lightning.pytorch.core.optimizer:LightningOptimizer",
+        "the wrapped optimizer",
+    ),
+    # ddp_spawn is DDPStrategy with _start_method "spawn"; its strategy_name attribute says "ddp" for both.
+    ("app/callbacks/run_report.py", "_start_method"): (
+        "lightning.pytorch.strategies:DDPStrategy",
+        "to name ddp_spawn in the run report",
+    ),
+    # LightningCLI's step that reads a checkpoint's hyperparameters into the config (item 5 above).
+    ("app/resume.py", "_parse_ckpt_path"): ("lightning.pytorch.cli:LightningCLI", "the --ckpt_path rule"),
+    # jsonargparse keeps its arguments in argparse's list; neither has a public one.
+    ("app/arguments.py", "_actions"): ("argparse:ArgumentParser", "the flags a bad value or a typo belongs to"),
+    # torch's common base of BatchNorm1d/2d/3d and SyncBatchNorm: isinstance over every BatchNorm at once.
+    ("app/callbacks/activation_checkpointing.py", "_BatchNorm"): ("torch.nn.modules.batchnorm", "every BatchNorm"),
+    ("app/callbacks/sync_batchnorm.py", "_BatchNorm"): ("torch.nn.modules.batchnorm", "every BatchNorm"),
+    ("app/strategies/fsdp.py", "_BatchNorm"): ("torch.nn.modules.batchnorm", "every BatchNorm"),
+    ("app/callbacks/sync_batchnorm.py", "_check_input_dim"): (
+        "torch.nn.modules.batchnorm:_BatchNorm",
+        "the input check every BatchNorm's forward calls, overridden to take any dimension >= 2",
+    ),
+    # torchvision's ResNet builds its stages with _make_layer; resnet_tiny builds narrower ones the same way.
+    ("app/fashion_mnist/networks.py", "_make_layer"): (
+        "torchvision.models.resnet:ResNet",
+        "a stage as ResNet builds it",
+    ),
+}
 
 
 class ResultsLauncher(_MultiProcessingLauncher):

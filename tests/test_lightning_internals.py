@@ -5,6 +5,7 @@ If one of these fails after a Lightning upgrade, the named helper there needs a 
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 
@@ -17,8 +18,9 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.strategies import Strategy
 
-from app.lightning_internals import ResultsLauncher, drop_layer_sync, resume_from, take_over_local_ranks
+from app.lightning_internals import PRIVATE_USES, ResultsLauncher, drop_layer_sync, resume_from, take_over_local_ranks
 from tests.conftest import ROOT
+from tests.private_api import scan
 
 
 def parameters(function) -> list[str]:
@@ -131,6 +133,75 @@ def test_no_private_lightning_reach_elsewhere_in_app():
             if PRIVATE.search(line.split("#")[0]):
                 found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "private Lightning internals outside app/lightning_internals.py:\n" + "\n".join(found)
+
+
+# ------------------------------------------------------------------ private names read from the syntax tree
+def test_every_private_name_of_a_library_used_in_app_is_listed_with_its_reason():
+    """tests/private_api.py finds every private name of torch, Lightning, torchvision or argparse that app/ uses
+    outside app/lightning_internals.py; each (file, name) must be in its PRIVATE_USES, and each entry still used."""
+    uses = scan(ROOT)
+    unlisted = [f"{u.path}:{u.line}: {u.how}" for u in uses if (u.path, u.name) not in PRIVATE_USES]
+    assert not unlisted, "private names not listed in app/lightning_internals.py's PRIVATE_USES:\n" + "\n".join(
+        unlisted
+    )
+    stale = set(PRIVATE_USES) - {(u.path, u.name) for u in uses}
+    assert not stale, f"listed in PRIVATE_USES but no longer used: {sorted(stale)}"
+
+
+@pytest.mark.parametrize("use", sorted(PRIVATE_USES), ids="{0[0]}:{0[1]}".format)
+def test_each_listed_private_name_is_where_the_list_says(use):
+    """The contract: an upgrade that takes a listed name away fails here, by name, not deep in a run."""
+    name = use[1]
+    owner, reason = PRIVATE_USES[use]
+    assert reason.strip()
+    module_name, _, class_name = owner.partition(":")
+    holder = importlib.import_module(module_name)
+    if class_name:
+        holder = getattr(holder, class_name)
+    found = hasattr(holder, name) or any(
+        re.search(rf"\bself\.{name}\b", inspect.getsource(cls)) for cls in inspect.getmro(holder) if cls is not object
+    )
+    assert found, f"{owner} has no {name} any more: {use[0]} needs another way ({reason})"
+
+
+PLANTED = """
+import argparse
+import os
+
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from torch.nn.modules.batchnorm import _BatchNorm  # finds _BatchNorm
+
+
+class Mine(Strategy):
+    def _configure_launcher(self):  # finds _configure_launcher
+        self._launcher = None  # finds _launcher
+        self._mine = 1  # the module's own: not a library's
+
+
+class Spawned(DDPStrategy):
+    def _configure_launcher(self):  # finds _configure_launcher
+        super()._configure_launcher()  # finds _configure_launcher
+
+
+def read(trainer, parser: argparse.ArgumentParser, strategy):
+    flags = parser._actions  # finds _actions
+    connector = trainer._accelerator_connector  # finds _accelerator_connector
+    os._exit(getattr(strategy, "_start_method", None))  # finds _start_method
+"""
+
+
+def test_the_guard_finds_each_kind_of_planted_use(tmp_path, monkeypatch):
+    """Imports, overrides, inherited attributes, super() calls, reads on other objects and getattr strings; not the
+    module's own private names, nor os._exit (documented)."""
+    package = tmp_path / "planted"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "mod.py").write_text(PLANTED)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    found = {(use.line, use.name) for use in scan(tmp_path, package="planted")}
+    lines = PLANTED.splitlines()
+    expected = {(i + 1, name) for i, line in enumerate(lines) for name in re.findall(r"# finds (\w+)", line)}
+    assert len(expected) == 8 and found == expected
 
 
 def test_loop_counters_and_the_checkpoints_loop_layout(tmp_path):

@@ -217,7 +217,10 @@ class ImageClassifier(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The data a checkpoint was trained on travels with it: the data module compares it with this run's
         (``FashionMNISTDataModule.check_trained_on``; a data module without that check is not asked)."""
-        trainer = self._trainer
+        try:
+            trainer = self.trainer
+        except RuntimeError:  # not attached to a Trainer (load_from_checkpoint): nothing to compare with
+            trainer = None
         check = getattr(trainer.datamodule if trainer is not None else None, "check_trained_on", None)
         if callable(check):
             check(checkpoint, str(trainer.ckpt_path) if trainer.ckpt_path else None)
