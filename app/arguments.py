@@ -1,6 +1,12 @@
 """The command line's own parsing: one-line errors instead of jsonargparse's usage and union walls (the closest flag,
 the choices, the file that holds a mistyped key), --config files checked as YAML, and a strategy's options
-accepted after its short name."""
+accepted after its short name.
+
+The one-line errors are rewritten from the text of jsonargparse's messages, which no API promises: setup.cfg bounds
+jsonargparse below its next major version, and the tests that provoke each kind of message through ``cli.py`` and
+check the line a user sees (tests/test_cli.py: test_a_wrong_option_of_a_strategy_or_callback_is_one_plain_line, the
+typo and YAML tests; tests/fashion_mnist/test_example_cli.py) are the contract: a jsonargparse that words a message
+differently fails them by name."""
 
 from __future__ import annotations
 
