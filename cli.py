@@ -11,10 +11,17 @@ python cli.py --help
 
 from app.cli import main
 
-# The task a run trains when the command line names no class. A fork that makes its own task the default changes
-# these two class paths; nothing under app/ changes.
+# The task a run trains when the command line names no class, and its own subcommands beside Lightning's and plot
+# (name: its module, which has a main(argv), and what --help says of it). A fork that makes its own task the default
+# changes these; nothing under app/ changes.
 MODEL = "app.fashion_mnist.model.ImageClassifier"
 DATA = "app.fashion_mnist.data.FashionMNISTDataModule"
+TOOLS = {
+    "export": (
+        "app.fashion_mnist.export",
+        "'cli.py export --ckpt_path CKPT --out model.pt2' writes the trained network for inference",
+    ),
+}
 
 if __name__ == "__main__":
-    main(model=MODEL, data=DATA)
+    main(model=MODEL, data=DATA, tools=TOOLS)

@@ -143,16 +143,17 @@ def _where(err: BaseException) -> str:
     return f"{type(err).__name__}: {err}{at}"
 
 
-def task_classes(argv: list[str], model: str | type, data: str | type) -> dict:
+def task_classes(argv: list[str], model: str | type | None, data: str | type | None) -> dict:
     """LightningCLI's class arguments: the default task's classes, fixed (flat ``--model.arch``, flat YAML), unless
     the command line names another class, which then works as in any LightningCLI (``--model=pkg.Class
-    --model.hidden=64``; its own defaults, none of the default class's)."""
+    --model.hidden=64``; its own defaults, none of the default class's). With no default, the command line must
+    name the class."""
     kwargs = {}
     for group, default, base, key in (
         ("model", model, LightningModule, "model_class"),
         ("data", data, LightningDataModule, "datamodule_class"),
     ):
-        named = names_class(argv, group)
+        named = names_class(argv, group) or default is None
         kwargs[key] = base if named else (import_class(default) if isinstance(default, str) else default)
         kwargs[f"subclass_mode_{group}"] = named
     return kwargs

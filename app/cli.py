@@ -58,20 +58,18 @@ from app.spawn_signals import pass_sigterm_to_spawned_ranks, stopped_exit_code
 from app.strategies.horovod import HorovodStrategy
 from app.task import spec_of
 
-# The task a run trains when the command line names no class (``--model=pkg.Class``, ``--data=pkg.Class`` or a YAML
-# ``class_path``). The machinery never imports it: a fork passes its own to main() in cli.py (docs/fork.md).
-DEFAULT_MODEL = "app.fashion_mnist.model.ImageClassifier"
-DEFAULT_DATA = "app.fashion_mnist.data.FashionMNISTDataModule"
+# Subcommands that are not Lightning's: name -> (module with a main(argv), what --help says of it). The machinery's
+# own; cli.py adds its task's (the example's export) through main(tools=...).
+TOOLS = {"plot": ("app.plot", "'cli.py plot lightning_logs/version_N' draws a run's curves to a PNG")}
 
 
-TOOLS_EPILOG = (
-    "Besides Lightning's subcommands: 'cli.py plot lightning_logs/version_N' draws a run's curves to a PNG, and "
-    "'cli.py export --ckpt_path CKPT --out model.pt' writes the trained network for inference; each takes --help."
-)
+def tools_epilog(tools: dict[str, tuple[str, str]]) -> str:
+    return f"Besides Lightning's subcommands: {'; '.join(usage for _, usage in tools.values())}; each takes --help."
 
 
 class CLI(CkptPathRule, LightningCLI):
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, tools: dict[str, tuple[str, str]] | None = None, **kwargs) -> None:
+        self._tools = tools or TOOLS
         self._claimed: list[Path] = []
         self._seed_line: HeldRecords | None = None
         self._args = kwargs.get("args")
@@ -113,7 +111,7 @@ class CLI(CkptPathRule, LightningCLI):
 
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
-        self.parser.epilog = TOOLS_EPILOG  # plot and export are ours, dispatched in main()
+        self.parser.epilog = tools_epilog(self._tools)  # the tools are ours, dispatched in main()
 
     def parse_arguments(self, parser, args) -> None:
         """Lightning's, with a strategy's options accepted after its short name (:func:`strategy_options_by_name`),
@@ -260,24 +258,27 @@ def _rank_has_own_gpu(trainer_config, per_node: int, devices_given: bool) -> boo
     )
 
 
-# Subcommands that are not Lightning's: they take their own flags (``python cli.py plot --help``).
-TOOLS = {"plot": "app.plot", "export": "app.fashion_mnist.export"}
-
-
 def main(
-    args: list[str] | None = None, model: str | type = DEFAULT_MODEL, data: str | type = DEFAULT_DATA
+    args: list[str] | None = None,
+    model: str | type | None = None,
+    data: str | type | None = None,
+    tools: dict[str, tuple[str, str]] | None = None,
 ) -> CLI | None:
-    """``cli.py``: train, validate, test or predict ``model`` on ``data`` (class paths or classes), or any other
-    LightningModule and LightningDataModule that the command line names by class path."""
+    """``cli.py``: train, validate, test or predict ``model`` on ``data`` (class paths or classes: the task a run
+    trains when the command line names no class; None: the command line must name one), or any other LightningModule
+    and LightningDataModule that the command line names by class path. ``tools``: more subcommands of the task's
+    own, ``{name: (module with a main(argv), what --help says of it)}``, beside the machinery's :data:`TOOLS`."""
     argv = sys.argv[1:] if args is None else list(args)
+    tools = {**TOOLS, **(tools or {})}
     try:
         check_config_files(argv)
         check_class_imports(argv)
-        if argv and argv[0] in TOOLS:
-            importlib.import_module(TOOLS[argv[0]]).main(argv[1:])
+        if argv and argv[0] in tools:
+            importlib.import_module(tools[argv[0]][0]).main(argv[1:])
             return None
         return CLI(
             **task_classes(argv, model, data),
+            tools=tools,
             seed_everything_default=42,
             parser_class=Parser,
             parser_kwargs={"allow_abbrev": False},  # --trainer.max_epoch is a typo, not --trainer.max_epochs

@@ -98,6 +98,13 @@ PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
     ("app/resume.py", "_parse_ckpt_path"): ("lightning.pytorch.cli:LightningCLI", "the --ckpt_path rule"),
     # jsonargparse keeps its arguments in argparse's list; neither has a public one.
     ("app/arguments.py", "_actions"): ("argparse:ArgumentParser", "the flags a bad value or a typo belongs to"),
+    # Neither Module.compile() (which sets _compiled_call_impl) nor torch.compile's wrapper (which keeps the module in
+    # _orig_mod) leaves a public mark on a module: dp refuses a compiled one.
+    ("app/strategies/dp.py", "_compiled_call_impl"): ("torch.nn:Module", "is this module compiled in place"),
+    ("app/strategies/dp.py", "_orig_mod"): (
+        "torch._dynamo.eval_frame:OptimizedModule",
+        "is this torch.compile's wrapper",
+    ),
     # torch's common base of BatchNorm1d/2d/3d and SyncBatchNorm: isinstance over every BatchNorm at once.
     ("app/callbacks/activation_checkpointing.py", "_BatchNorm"): ("torch.nn.modules.batchnorm", "every BatchNorm"),
     ("app/callbacks/sync_batchnorm.py", "_BatchNorm"): ("torch.nn.modules.batchnorm", "every BatchNorm"),

@@ -51,8 +51,8 @@ class TaskSpec:
     """Submodule class names or paths (globs allowed) that activation checkpointing wraps by default."""
     layers: str = ""
     """The network that ``--trainer.strategy=pipeline`` cuts into stages, by its path (``"net"``); its forward must
-    run its layers one after another: an ``nn.Sequential``, a torchvision ResNet, or a module whose
-    ``pipeline_layers()`` returns them in order. Default: the only top-level submodule that holds parameters."""
+    run its layers one after another: an ``nn.Sequential``, or a module whose ``pipeline_layers()`` returns them in
+    order (the example's ResNet has one). Default: the only top-level submodule that holds parameters."""
     lr_flag: str = "--model.optimizer.lr"
     """The flag that sets the learning rate, named in hints (divergence, warmup)."""
     samples: Callable[[Any], int] | None = None
@@ -122,3 +122,13 @@ def epoch_note(datamodule: Any) -> str:
     """The data module's ``epoch_note``, on one line (empty when it has none): what every epoch line adds."""
     note = getattr(datamodule, "epoch_note", None)
     return " ".join(str(note).split()) if note else ""
+
+
+def step_value_read(trainer, batch_idx: int) -> bool:
+    """For a task's ``training_step``: whether a per-step value it logs now reaches anything (a logger, at the
+    ``log_every_n_steps`` steps, a stop or ``fast_dev_run``; the callbacks, at the epoch's last batch, ``max_steps``
+    or before a validation). Every other step's value is overwritten unread, and each ``self.log`` costs host time,
+    so a task may log only when this is true (the example's ``train/loss``). Unknown cases count as read."""
+    from app.lightning_internals import step_values_read  # the fit loop's counters: Lightning has no public way
+
+    return step_values_read(trainer, batch_idx)

@@ -235,11 +235,20 @@ def test_cli_mistakes_get_one_line_with_the_fix(capsys, tmp_path):
     assert typo.stderr.strip().endswith(f"; see: python {ROOT / 'cli.py'} fit --help"), typo.stderr
 
 
-def test_help_names_the_tools_and_what_ckpt_path_takes(capsys):
+def test_help_names_the_tools_and_what_ckpt_path_takes(capsys, tmp_path):
+    """--help names the machinery's tools (plot) and those a task's cli.py passes in, which then run."""
+    tools = {"draw": ("app.plot", "'cli.py draw RUN' draws the run")}
     with pytest.raises(SystemExit):
-        main(["--help"], **TINY_TASK)
+        main(["--help"], **TINY_TASK, tools=tools)
     out = " ".join(capsys.readouterr().out.split())
-    assert "cli.py plot" in out and "cli.py export" in out
+    assert "cli.py plot lightning_logs/version_N" in out and "'cli.py draw RUN' draws the run" in out
+    with pytest.raises(SystemExit) as exit_info:
+        main(["draw", str(tmp_path)], **TINY_TASK, tools=tools)
+    assert exit_info.value.code == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == f"error: {tmp_path / 'metrics.csv'}: not found; give a run folder such as lightning_logs/version_0"
+    )
     with pytest.raises(SystemExit):
         main(["fit", "--help"], **TINY_TASK)
     out = " ".join(capsys.readouterr().out.split())

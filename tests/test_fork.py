@@ -63,6 +63,37 @@ def test_the_machinery_never_imports_the_example_task():
     assert "'app.fashion_mnist" not in loaded and "'app.cli'" in loaded, loaded[-2000:]
 
 
+# What a task may import from the template: the contract (app.task), the loader, the errors and the safe checkpoint
+# reader (docs/fork.md)
+TASK_API = ("app.task", "app.loader", "app.errors", "app.checkpoint_io")
+
+
+def test_the_machinery_names_no_task_and_no_network():
+    """No machinery file names the example by a string (a class path, a module to import) or imports torchvision
+    (whose ResNet a strategy would then know): cli.py passes the task and its tools in, the network lists its own
+    pipeline layers."""
+    machinery = [p for p in (ROOT / "app").rglob("*.py") if EXAMPLE_TASK not in p.parents]
+    for path in machinery:
+        strings = [
+            node.value
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Constant) and isinstance(node.value, str)
+        ]
+        named = [text for text in strings if "app.fashion_mnist" in text or "ImageClassifier" in text]
+        assert not named, f"{path.relative_to(ROOT)} names the example task: {named}"
+        network = sorted(name for name in _imports(path) if name.split(".")[0] == "torchvision")
+        assert not network, f"{path.relative_to(ROOT)} imports {network}"
+
+
+def test_a_task_imports_only_the_task_api_of_the_machinery():
+    """The example task and examples/ use the template as a fork's task does (:data:`TASK_API`), never internals
+    (app.lightning_internals) or a strategy's class."""
+    for path in [*EXAMPLE_TASK.rglob("*.py"), *(ROOT / "examples").rglob("*.py")]:
+        used = {name for name in _imports(path) if name.split(".")[0] == "app" and "fashion_mnist" not in name}
+        modules = {name for name in used if name in TASK_API or name.rpartition(".")[0] in TASK_API}
+        assert used == modules, f"{path.relative_to(ROOT)} imports {sorted(used - modules)} of the machinery"
+
+
 def test_the_machinery_tests_never_use_the_example_task():
     """tests/*.py train the tests' own task (tests/tiny.py): a fork that replaces app/fashion_mnist and
     tests/fashion_mnist keeps them. Only tests/fashion_mnist/ imports the example, names its presets or reads its data

@@ -244,15 +244,6 @@ def test_the_gpipe_schedule_trains_like_one_device(parity, name):
     assert relative_error(result, reference) < TOLERANCE
 
 
-def test_the_layers_of_a_torchvision_resnet_compose_to_its_forward():
-    from torchvision.models import resnet18
-
-    net = resnet18(num_classes=4).eval()
-    x = torch.randn(2, 3, 32, 32)
-    torch.testing.assert_close(nn.Sequential(*layers_of(net))(x), net(x), rtol=0, atol=0)
-    assert layers_of(net)[-1] is net.fc and layers_of(net) == layers_of(net)  # the same modules every time
-
-
 def test_stages_get_contiguous_layers_balanced_by_parameters():
     sizes = [nn.Linear(10, 10), nn.ReLU(), nn.Linear(10, 10), nn.Linear(10, 10), nn.Linear(10, 100)]
     assert balanced(sizes, 2) == [4, 1]  # 330 parameters, then 1100

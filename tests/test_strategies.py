@@ -161,6 +161,31 @@ def test_dp_under_mpi_launch_is_refused(monkeypatch):
         Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False)
 
 
+class CompiledInConfigureModel(TinyClassifier):
+    """A task that compiles a part of itself where tasks do (configure_model), in place or with torch.compile."""
+
+    def __init__(self, wrapper: bool = False) -> None:
+        super().__init__()
+        self.wrapper = wrapper
+
+    def configure_model(self) -> None:
+        if self.wrapper:
+            self.net.head = torch.compile(self.net.head)
+        else:
+            self.net.head.compile()
+
+
+@pytest.mark.parametrize("wrapper", [False, True], ids=["Module.compile", "torch.compile"])
+def test_dp_refuses_a_compiled_module_of_any_task_before_a_step(wrapper, tmp_path):
+    model = CompiledInConfigureModel(wrapper)
+    trainer = Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False, max_steps=1, default_root_dir=tmp_path)
+    with pytest.raises(
+        UserError, match=r"^--trainer.strategy=dp cannot run a compiled module \(net.head: torch.compile"
+    ):
+        trainer.fit(model)
+    assert trainer.global_step == 0
+
+
 def test_horovod_devices_must_match_launched_processes(monkeypatch):
     for key, value in {
         "OMPI_COMM_WORLD_SIZE": "4",

@@ -23,9 +23,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from app.checkpoint_io import check_weights_fit, load_checkpoint
 from app.errors import UserError
 from app.fashion_mnist.networks import Arch, Norm, build_resnet
-from app.lightning_internals import step_values_read
-from app.strategies.dp import DataParallelStrategy
-from app.task import TaskSpec
+from app.task import TaskSpec, step_value_read
 
 # d2l trains ResNet-18 with plain SGD at lr 0.1 per 256 images; momentum, Nesterov and weight decay are the
 # usual ImageNet-recipe additions. ``cli.py`` shows these as the ``--model.optimizer`` default.
@@ -129,9 +127,7 @@ class ImageClassifier(LightningModule):
         """Layout and compilation, applied once the model is on its device and before the strategy wraps it."""
         if self.hparams.get("channels_last"):
             self.net.to(memory_format=torch.channels_last)
-        if self.hparams.get("compile") and not getattr(self, "_compiled", False):
-            if isinstance(self.trainer.strategy, DataParallelStrategy):
-                raise UserError("--model.compile=true does not work with --trainer.strategy=dp; use ddp or one device")
+        if self.hparams.get("compile") and not getattr(self, "_compiled", False):  # not under dp: dp.py refuses
             # Shapes fixed (dynamic=False): an epoch's last, smaller batch gets a graph of its own. Dynamo's
             # default would compile that second batch size as a symbolic one and then run every later step
             # through the symbolic graph (slower kernels, no CUDA graphs).
@@ -183,7 +179,7 @@ class ImageClassifier(LightningModule):
             if self._step_value_read(self.trainer, batch_idx):
                 self.log("train/loss", loss, on_step=True, on_epoch=False, batch_size=target.numel())
 
-    _step_value_read = staticmethod(step_values_read)  # whether a value logged at this step is read (Lightning's loop)
+    _step_value_read = staticmethod(step_value_read)  # whether a value logged at this step is read (app/task.py)
 
     def _log_epoch(self, stage: str) -> None:
         # The metric objects are logged once per epoch, not per batch: each self.log of a Metric moves it "to the

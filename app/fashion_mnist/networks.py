@@ -11,7 +11,7 @@ import math
 from typing import Literal
 
 from torch import nn
-from torchvision.models.resnet import BasicBlock, ResNet, resnet18, resnet34, resnet50
+from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 
 from app.errors import UserError
 
@@ -19,7 +19,21 @@ Arch = Literal["resnet18", "resnet34", "resnet50", "resnet_tiny", "resnet_mini"]
 Norm = Literal["batch", "group"]
 
 ARCHS: tuple[str, ...] = Arch.__args__
-_BUILDERS = {"resnet18": resnet18, "resnet34": resnet34, "resnet50": resnet50}
+_LAYOUTS = {  # torchvision's resnet18/34/50: the block and the blocks per stage
+    "resnet18": (BasicBlock, [2, 2, 2, 2]),
+    "resnet34": (BasicBlock, [3, 4, 6, 3]),
+    "resnet50": (Bottleneck, [3, 4, 6, 3]),
+}
+_FLATTEN = nn.Flatten(1)  # ResNet.forward's torch.flatten(x, 1) as a layer: stateless, so one serves every network
+
+
+class FashionResNet(ResNet):
+    """torchvision's ResNet (the same weights, names and forward), which also lists its layers in the order its
+    forward runs them: ``--trainer.strategy=pipeline`` deals them to the stages (app/strategies/pipeline.py)."""
+
+    def pipeline_layers(self) -> list[nn.Module]:
+        blocks = [block for stage in (self.layer1, self.layer2, self.layer3, self.layer4) for block in stage]
+        return [self.conv1, self.bn1, self.relu, self.maxpool, *blocks, self.avgpool, _FLATTEN, self.fc]
 
 
 def _group_norm(channels: int) -> nn.GroupNorm:
@@ -44,7 +58,7 @@ def build_resnet(arch: Arch = "resnet18", num_classes: int = 10, in_channels: in
         net = _tiny_resnet(num_classes, norm_layer)
         width = 16
     else:
-        net = _BUILDERS[arch](weights=None, num_classes=num_classes, norm_layer=norm_layer)
+        net = FashionResNet(*_LAYOUTS[arch], num_classes=num_classes, norm_layer=norm_layer)
         width = 64
     net.conv1 = nn.Conv2d(in_channels, width, kernel_size=3, stride=1, padding=1, bias=False)
     net.maxpool = nn.MaxPool2d(2) if arch == "resnet_mini" else nn.Identity()
@@ -54,7 +68,7 @@ def build_resnet(arch: Arch = "resnet18", num_classes: int = 10, in_channels: in
 
 def _tiny_resnet(num_classes: int, norm_layer) -> ResNet:
     """torchvision's ResNet with BasicBlocks, one per stage, at widths 16-32-64-128."""
-    net = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes, norm_layer=norm_layer)
+    net = FashionResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes, norm_layer=norm_layer)
     widths = (16, 32, 64, 128)
     net.inplanes = widths[0]
     net.bn1 = norm_layer(widths[0])

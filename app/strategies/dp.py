@@ -95,6 +95,14 @@ class DataParallelStrategy(ParallelStrategy):
         self._launcher = None
 
     def model_to_device(self) -> None:
+        """Called in set-up, after the task's ``configure_model`` (where a task compiles its network)."""
+        compiled = compiled_modules(self.model)
+        if compiled:
+            raise UserError(
+                f"--trainer.strategy=dp cannot run a compiled module ({compiled[0]}: torch.compile, or the task's "
+                "compile option such as --model.compile=true): dp rebuilds its replicas every step; use ddp or one "
+                "device"
+            )
         self.model.to(self.root_device)
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -226,3 +234,12 @@ def combine_outputs(outputs: list[Any], sizes: list[int], device: torch.device) 
     if isinstance(first, (list, tuple)):
         return type(first)(combine_outputs([out[i] for out in outputs], sizes, device) for i in range(len(first)))
     return first
+
+
+def compiled_modules(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s modules compiled in place (``Module.compile``) or wrapped by ``torch.compile``."""
+    return [
+        name or type(model).__name__
+        for name, module in model.named_modules()
+        if getattr(module, "_compiled_call_impl", None) is not None or hasattr(module, "_orig_mod")
+    ]

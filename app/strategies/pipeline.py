@@ -14,9 +14,9 @@ each stage's gradients are averaged over its replicas, as ddp does.
 
 Which network, which layers: the task's ``spec.layers`` (app/task.py) names the network; by default it is the
 LightningModule's only top-level submodule that holds parameters (the example's ``net``). Its layers are an
-``nn.Sequential``'s children, a torchvision ResNet's stem, residual blocks, pool and head, or whatever the network's own
-``pipeline_layers()`` returns; they are dealt to the stages in order, balanced by parameter count unless
-``balance`` gives the number of layers per stage. Each process keeps only its stage's layers (the others are
+``nn.Sequential``'s children, or whatever the network's own ``pipeline_layers()`` returns (the example's ResNet
+lists its stem, residual blocks, pool and head); they are dealt to the stages in order, balanced by parameter count
+unless ``balance`` gives the number of layers per stage. Each process keeps only its stage's layers (the others are
 freed, on the ``meta`` device), their gradients and optimizer state.
 
 The task's own steps run unchanged, as under ``dp``: the strategy finds the network's input by running the step
@@ -487,20 +487,12 @@ def network_of(model: nn.Module) -> nn.Module:
     return model.get_submodule(holders[0])
 
 
-_FLATTEN = nn.Flatten(1)  # a ResNet's torch.flatten(x, 1) as a layer: stateless, so one serves every network
-
-
 def layers_of(net: nn.Module) -> list[nn.Module]:
     """The network's layers in the order its forward runs them (their composition is the forward)."""
     if hasattr(net, "pipeline_layers"):
         return list(net.pipeline_layers())
     if isinstance(net, nn.Sequential):
         return list(net)
-    from torchvision.models import ResNet
-
-    if isinstance(net, ResNet):
-        blocks = [block for stage in (net.layer1, net.layer2, net.layer3, net.layer4) for block in stage]
-        return [net.conv1, net.bn1, net.relu, net.maxpool, *blocks, net.avgpool, _FLATTEN, net.fc]
     raise UserError(
         f"--trainer.strategy=pipeline: {type(net).__name__} is not an nn.Sequential, so its layers are unknown; give "
         "it a pipeline_layers() method that returns them in the order its forward runs them"

@@ -4,13 +4,11 @@ from pathlib import Path
 
 import pytest
 
+import cli
 from tests import conftest
 
-# cli.py's default task: what the example's tests run when they name no class
-EXAMPLE_TASK = {
-    "model": "app.fashion_mnist.model.ImageClassifier",
-    "data": "app.fashion_mnist.data.FashionMNISTDataModule",
-}
+# cli.py's default task and its tools (export): what the example's tests run when they name no class
+EXAMPLE_TASK = {"model": cli.MODEL, "data": cli.DATA, "tools": cli.TOOLS}
 
 
 def run_cli(*args: str) -> None:

@@ -133,3 +133,14 @@ def test_launch_presets_compose_with_the_full_recipe(workdir, capsys):
         assert (trainer["strategy"], trainer["num_nodes"], trainer["devices"]) == (strategy, nodes, 4)
         callbacks = [c["class_path"] for c in trainer["callbacks"]]
         assert callbacks == ["app.callbacks.LRWarmup"]  # the defaults are added when the trainer is built
+
+
+def test_cli_py_help_names_the_example_tools(tmp_path):
+    """cli.py passes its task's tools to the machinery: --help names export beside plot, and export runs."""
+    result = warm.run([sys.executable, str(ROOT / "cli.py"), "--help"], cwd=tmp_path, capture_output=True, text=True)
+    out = " ".join(result.stdout.split())
+    assert result.returncode == 0 and "'cli.py export --ckpt_path CKPT --out model.pt2'" in out and "cli.py plot" in out
+    export = warm.run(
+        [sys.executable, str(ROOT / "cli.py"), "export", "--help"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert export.returncode == 0 and "--ckpt_path" in export.stdout

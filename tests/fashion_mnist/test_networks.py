@@ -1,5 +1,6 @@
 import pytest
 import torch
+import torchvision
 
 from app.errors import UserError
 from app.fashion_mnist.networks import ARCHS, build_resnet
@@ -49,6 +50,21 @@ def test_mini_is_tiny_at_a_quarter_of_the_pixels():
             tiny_shapes = shapes
     assert shapes == tiny_shapes
     assert 0.2 < flops["resnet_mini"] / flops["resnet_tiny"] < 0.35
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "resnet50", "resnet_mini"])
+def test_the_pipeline_layers_compose_to_the_forward(arch):
+    """What --trainer.strategy=pipeline deals to its stages (app/strategies/pipeline.py's layers_of reads them)."""
+    from torch import nn
+
+    from app.strategies.pipeline import layers_of
+
+    net = build_resnet(arch).eval()
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        torch.testing.assert_close(nn.Sequential(*layers_of(net))(x), net(x), rtol=0, atol=0)
+    assert layers_of(net)[-1] is net.fc and layers_of(net) == layers_of(net)  # the same modules every time
+    assert isinstance(net, torchvision.models.ResNet)  # torchvision's, with the same names and weights
 
 
 def test_unknown_arch_names_the_flag():

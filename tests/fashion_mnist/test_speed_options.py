@@ -16,7 +16,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from app.callbacks import ProgressBar
 from app.defaults import DEFAULT_CALLBACKS
-from app.errors import UserError
 from app.fashion_mnist.data import FashionMNISTDataModule
 from app.fashion_mnist.model import ImageClassifier
 from bench.__main__ import bench_runs, flops_per_image
@@ -36,16 +35,19 @@ def test_channels_last_gives_the_same_outputs_and_checkpoint_keys():
     torch.testing.assert_close(nhwc.eval()(x), plain.eval()(x), atol=1e-5, rtol=1e-5)
 
 
-def test_compile_keeps_parameter_names_and_refuses_dp():
+def test_compile_keeps_parameter_names_and_dp_refuses_it(workdir, data_dir, capsys):
     model = ImageClassifier(arch="resnet_tiny", compile=True)
     keys = model.state_dict().keys()
     model.trainer = Trainer(accelerator="cpu", devices=1, logger=False)
     model.configure_model()
     assert model.state_dict().keys() == keys  # nn.Module.compile compiles in place: checkpoints are unchanged
-    dp = ImageClassifier(arch="resnet_tiny", compile=True)
-    dp.trainer = Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False)
-    with pytest.raises(UserError, match="--model.compile=true does not work with --trainer.strategy=dp"):
-        dp.configure_model()
+    flags = ["--model.compile=true", "--trainer.strategy=dp", "--trainer.devices=2", "--data.data_dir", str(data_dir)]
+    with pytest.raises(SystemExit) as exit_info:  # dp's own refusal (app/strategies/dp.py), before any step
+        run_cli("fit", "--config", str(CPU_TEST_CONFIG), *flags)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --trainer.strategy=dp cannot run a compiled module (net: torch.compile, or the ")
+    assert not list(workdir.rglob("*.ckpt"))
 
 
 def _symbolic(graph: torch.fx.GraphModule) -> bool:

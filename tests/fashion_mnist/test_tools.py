@@ -216,7 +216,7 @@ print(json.dumps({"correct": int((predicted == labels).sum()), "metadata": json.
 """
 
 
-def tested_accuracy(version_dir) -> float:
+def accuracy_of_test_run(version_dir) -> float:
     (acc,) = [float(row["test/acc"]) for row in read_rows(version_dir / "metrics.csv") if row.get("test/acc")]
     return acc
 
@@ -249,7 +249,7 @@ def test_an_exported_program_scores_the_test_set_as_its_checkpoint_with_torch_al
                  "--ckpt_path", str(ckpt), cwd=workdir)  # fmt: skip
     assert tested.returncode == 0, tested.stderr[-2000:]
     (version,) = {path.name for path in versions.iterdir()} - before
-    checkpoint_accuracy = tested_accuracy(versions / version)
+    checkpoint_accuracy = accuracy_of_test_run(versions / version)
 
     program = workdir / f"model-{data}.pt2"
     exported = cli("export", "--ckpt_path", str(ckpt), "--out", str(program), cwd=workdir)
