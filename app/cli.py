@@ -47,6 +47,7 @@ from app.elastic import (
     take_launcher_numbers,
 )
 from app.errors import UserError
+from app.host_address import check_reachable
 from app.launcher import first_on_node, is_first_process, launcher_ranks, one_gpu_per_rank, torchrun_job
 from app.quiet import HeldRecords
 from app.resume import (
@@ -127,6 +128,8 @@ class CLI(CkptPathRule, LightningCLI):
         check_timeout(trainer.strategy)
         check_devices(trainer.devices)
         check_trainer_numbers(trainer)
+        if subcommand:
+            check_reachable(trainer.num_nodes or 1, str(trainer.accelerator))
         self._seed_line = HeldRecords("lightning.fabric.utilities.seed")  # printed once the classes are built
 
     def after_instantiate_classes(self) -> None:

@@ -302,3 +302,68 @@ def _running(marker: str) -> dict[int, str]:
             if line.startswith("sleep ") and marker in line:
                 found[int(proc.name)] = line
     return found
+
+
+# ------------------------------------------------------------------ a host name that offers the other nodes loopback
+def lone_rank(node_rank: int, root: Path) -> list[str]:
+    """One rank of a two-node ddp run on CPU, started the way Lightning's own launcher starts a node's processes."""
+    return [
+        sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "tests" / "tiny.yaml"),
+        "--trainer.strategy=ddp", "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.num_nodes=2",
+        f"--trainer.default_root_dir={root}",
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["Debian's 127.0.1.1 line for the host name", "no hosts entry for the host name"],
+)
+def test_a_node_whose_host_name_resolves_to_loopback_says_so_in_one_line_instead_of_hanging(case, nodes, tmp_path):
+    """Gloo would listen on 127.0.0.1 and the rank would wait in init_process_group forever (issue 47): instead,
+    before any process group, one line names GLOO_SOCKET_IFNAME and the interface to pick; nothing is written."""
+    node = nodes.a if case.startswith("Debian") else nodes.b
+    hosts = NETNS_ETC / node.netns / "hosts"
+    lines = [line for line in hosts.read_text().splitlines() if not line.endswith(f"\t{node.name}")]
+    if case.startswith("Debian"):
+        lines.append(f"127.0.1.1\t{node.name}")
+        master, node_rank = "a", 0
+    else:
+        master, node_rank = nodes.a.address, 1
+    hosts.write_text("\n".join(lines) + "\n")
+    env = node_env(MASTER_ADDR=master, MASTER_PORT="29500", NODE_RANK=str(node_rank))
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    started = time.monotonic()
+    result = node.run(lone_rank(node_rank, tmp_path / "runs"), timeout=120, env=env, cwd=tmp_path)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1, result.stderr[-3000:]
+    if case.startswith("Debian"):
+        assert f"error: this node's host name '{node.name}' resolves to 127.0.1.1, loopback only, so Gloo" in error[0]
+        assert (
+            f"set GLOO_SOCKET_IFNAME to the interface on the nodes' network, one of eth0 ({node.address})" in error[0]
+        )
+    else:
+        assert f"error: this node's host name '{node.name}' resolves to no address, so Gloo" in error[0]
+        assert (
+            f"set GLOO_SOCKET_IFNAME=eth0 (its address {node.address} is the way to MASTER_ADDR={master})" in error[0]
+        )
+    assert "init_process_group forever" in error[0] and not (tmp_path / "runs").exists()
+
+
+def test_the_loopback_check_leaves_single_machine_and_named_interface_runs_alone(monkeypatch):
+    """Nodes that are processes of one machine (MASTER_ADDR loopback, Lightning's default) reach each other over
+    loopback, and GLOO_SOCKET_IFNAME is the user's own choice: neither is refused, whatever the host name."""
+    from app.errors import UserError
+    from app.host_address import check_reachable
+
+    monkeypatch.setattr(socket, "gethostname", lambda: "localhost")  # resolves to loopback only
+    for var in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    check_reachable(2, "cpu")  # MASTER_ADDR unset: 127.0.0.1
+    monkeypatch.setenv("MASTER_ADDR", "10.77.0.1")
+    with pytest.raises(UserError, match="host name 'localhost' resolves to .*loopback only"):
+        check_reachable(2, "cpu")
+    check_reachable(1, "cpu")  # one node
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    check_reachable(2, "cpu")
