@@ -25,6 +25,7 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
+from app.atomic import write_text
 from app.errors import UserError
 from app.launcher import TorchrunJob, torchrun_job
 
@@ -46,9 +47,7 @@ def report_saved_state(rank: int, path: str, pending: Path | None = None) -> Non
     folder = os.environ.get(MPI_LAUNCH_DIR)
     if folder and Path(folder).is_dir():
         entry = {"path": path} if pending is None else {"path": path, "pending": str(pending)}
-        tmp = Path(folder) / f".{SAVED_STATE}-{rank}"
-        tmp.write_text(json.dumps(entry))
-        os.replace(tmp, Path(folder) / f"{SAVED_STATE}-{rank}")
+        write_text(Path(folder) / f"{SAVED_STATE}-{rank}", json.dumps(entry))
 
 
 def saved_state_announcer(rank: int, path: str) -> Callable[[Path], Callable[[], None]] | None:
@@ -200,9 +199,7 @@ def mark_run(
     shape = shape or run_shape(folder)
     if shape:
         marker["shape"] = shape
-    tmp = folder / f".{MARKER}"
-    tmp.write_text(json.dumps(marker) + "\n")
-    os.replace(tmp, folder / MARKER)
+    write_text(folder / MARKER, json.dumps(marker) + "\n")
 
 
 def run_shape(folder: Path) -> dict | None:

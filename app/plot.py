@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import sys
 from collections import defaultdict
 from pathlib import Path
 
+from app.atomic import atomic_path
 from app.errors import UserError
 
 PANELS = (
@@ -230,15 +230,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig = figure(run_dir)
     import matplotlib.pyplot as plt
 
-    partial = out.with_name(f".{out.name}.partial.png")
     try:
-        fig.savefig(partial, dpi=100)
-        os.replace(partial, out)
+        with atomic_path(out, suffix=".png") as partial:  # savefig picks the format by the suffix
+            fig.savefig(partial, dpi=100)
     except OSError as err:
         raise UserError(f"--out {out}: cannot write it ({err.strerror})") from None
     finally:
         plt.close(fig)
-        partial.unlink(missing_ok=True)
     return out
 
 

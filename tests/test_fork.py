@@ -63,9 +63,9 @@ def test_the_machinery_never_imports_the_example_task():
     assert "'app.fashion_mnist" not in loaded and "'app.cli'" in loaded, loaded[-2000:]
 
 
-# What a task may import from the template: the contract (app.task), the loader, the errors and the safe checkpoint
-# reader (docs/fork.md)
-TASK_API = ("app.task", "app.loader", "app.errors", "app.checkpoint_io")
+# What a task may import from the template: the contract (app.task), the loader, the errors, the safe checkpoint
+# reader and whole-file writes (docs/fork.md)
+TASK_API = ("app.task", "app.loader", "app.errors", "app.checkpoint_io", "app.atomic")
 
 
 def test_the_machinery_names_no_task_and_no_network():

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import csv
-import os
 import re
 import sys
 import textwrap
@@ -43,6 +42,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
 
+from app.atomic import write_text
 from app.callbacks.progress import console_print
 from app.callbacks.rank_watchdog import RankWatchdog
 from app.checkpoint_io import SafeCheckpointIO
@@ -95,9 +95,7 @@ def keep_metrics_rows(trainer, rows: int) -> None:
     for logger in trainer.loggers:
         if isinstance(logger, CSVLogger):
             path = Path(logger.log_dir) / METRICS_ROWS_TO_KEEP
-            tmp = path.with_name(f".{path.name}.{trainer.global_rank}")
-            tmp.write_text(f"{rows}\n")
-            os.replace(tmp, path)
+            write_text(path, f"{rows}\n")
 
 
 def _devices_per_process(trainer) -> int:
@@ -342,9 +340,7 @@ class Elastic(Callback):
                 flags=re.MULTILINE,
             )
             header = "".join(f"# Elastic changed this start's settings: {line}\n" for line in self._changes)
-            tmp = path.with_name(f".{path.name}")
-            tmp.write_text(header + text)
-            os.replace(tmp, path)
+            write_text(path, header + text)
 
     def _continue_metrics(self, trainer) -> int:
         """Rank 0: the earlier rows back in front of the new ones; returns how many rows were put back."""

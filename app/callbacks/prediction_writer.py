@@ -17,7 +17,6 @@ distributed sampler gave to two ranks (it pads the last batches so that every ra
 from __future__ import annotations
 
 import csv
-import os
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 
+from app.atomic import atomic_write
 from app.task import class_names
 
 LABEL_KEYS = ("label", "labels", "target", "targets", "y")
@@ -70,8 +70,8 @@ class PredictionWriter(BasePredictionWriter):
         with_class = bool(classes) and all(isinstance(values.get("pred"), int) for _, _, values in rows)
         folder = Path(log_dir or ".")
         folder.mkdir(parents=True, exist_ok=True)
-        path, partial = folder / self.filename, folder / f".{self.filename}.partial"
-        with open(partial, "w", newline="") as f:
+        path = folder / self.filename
+        with atomic_write(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["index", "name", "label", "pred"] + ["class"] * with_class + ["prob"] * with_prob + extra)
             for index, label, values in rows:
@@ -83,7 +83,6 @@ class PredictionWriter(BasePredictionWriter):
                 if with_prob:
                     row.append(f"{values['prob']:.4f}" if "prob" in values else "")
                 writer.writerow(row + [_cell(values.get(name, "")) for name in extra])
-        os.replace(partial, path)
         rank_zero_info(f"Predictions for {len(rows)} samples written to {path}")
 
 

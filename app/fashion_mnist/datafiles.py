@@ -37,9 +37,10 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchvision.datasets import FashionMNIST
 
+from app.atomic import write_bytes
 from app.errors import TemplateWarning
 from app.fashion_mnist import synthetic
-from app.fashion_mnist.idx import DataFileError, atomic_write_bytes, parse_idx, read_idx_bytes, write_idx
+from app.fashion_mnist.idx import DataFileError, parse_idx, read_idx_bytes, write_idx
 
 Source = Literal["auto", "fashion_mnist", "synthetic"]
 
@@ -294,7 +295,7 @@ class FashionMNISTFiles:
                 images, labels = synthetic.generate(count, seed=SYNTHETIC_SEED)
                 write_idx(folder / images_file, images)
                 write_idx(folder / labels_file, labels)
-            atomic_write_bytes(folder / SYNTHETIC_STAMP, _stamp().encode())  # last: vouches for finished files only
+            write_bytes(folder / SYNTHETIC_STAMP, _stamp().encode())  # last: vouches for finished files only
         except OSError as err:
             blocking = next((p for p in [folder, *folder.parents] if p.is_file()), None)
             if blocking is not None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from app.atomic import atomic_path
 from app.errors import UserError
 from app.fashion_mnist.data import CLASSES, MEAN, STD
 from app.fashion_mnist.model import check_weights_fit, load_checkpoint, network_state_dict, saved_network
@@ -90,19 +90,16 @@ def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> P
     if bad:
         raise UserError(f"{ckpt_path}: {len(bad)} weight tensor(s) hold inf or nan (e.g. {bad[0]}): a diverged run")
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(f".{out.stem}.partial{out.suffix}")  # torch.export.save wants its suffix
     try:
-        if out.suffix == ".pt2":
-            metadata = {key: value for key, value in payload.items() if key != "state_dict"}
-            metadata["format"] = PROGRAM_FORMAT
-            torch.export.save(export_program(net), partial, extra_files={METADATA: json.dumps(metadata)})
-        else:
-            torch.save(payload, partial)
-        os.replace(partial, out)  # a reader never sees half a file
+        with atomic_path(out) as partial:  # a reader never sees half a file; torch.export.save wants its suffix
+            if out.suffix == ".pt2":
+                metadata = {key: value for key, value in payload.items() if key != "state_dict"}
+                metadata["format"] = PROGRAM_FORMAT
+                torch.export.save(export_program(net), partial, extra_files={METADATA: json.dumps(metadata)})
+            else:
+                torch.save(payload, partial)
     except OSError as err:
         raise UserError(f"--out {out}: cannot write it ({err.strerror or err})") from None
-    finally:
-        partial.unlink(missing_ok=True)
     return out
 
 

@@ -15,11 +15,11 @@ import gzip
 import math
 import os
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
 
+from app.atomic import write_bytes
 from app.errors import UserError
 
 UBYTE = 0x08
@@ -82,25 +82,4 @@ def write_idx(path: str | os.PathLike, tensor: torch.Tensor) -> None:
     payload = header + tensor.contiguous().numpy().tobytes()
     if path.suffix == ".gz":
         payload = gzip.compress(payload, mtime=0)
-    atomic_write_bytes(path, payload)
-
-
-def atomic_write_bytes(path: Path, payload: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; a data file is as readable as any other
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    write_bytes(path, payload)

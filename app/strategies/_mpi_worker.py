@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import app  # noqa: F401  (registers the strategies before anything is unpickled)
+from app.atomic import write_text
 from app.callbacks.preemption import catch_early_signals
 from app.errors import Diverged, Preempted, UserError
 from app.generators import set_generator_states
@@ -29,18 +30,12 @@ def main(job_path: str, result_path: str) -> None:
         set_generator_states(generators)  # the launching process's, seeded: dropout draws what ddp_spawn's would
         launcher.run_in_rank(trainer, function, args, kwargs, result_path)
     except UserError as err:  # bad input found in the ranks: the launcher says it once, as one line
-        tmp = workdir / f"user-error.{rank}"
-        tmp.write_text(str(err))
-        os.replace(tmp, workdir / USER_ERROR)
+        write_text(workdir / USER_ERROR, str(err), private=True)
     except Diverged as stop:  # every rank stops at the same step: the launcher says it once, as the last line
         if rank == 0:
-            tmp = workdir / f"{DIVERGED}.{rank}"
-            tmp.write_text(stop.message)
-            os.replace(tmp, workdir / DIVERGED)
+            write_text(workdir / DIVERGED, stop.message, private=True)
     except Preempted as stop:  # checkpointed and said so; the launcher exits with 128 + signal, mpirun with 0
-        tmp = workdir / f"{PREEMPTED}.{rank}"
-        tmp.write_text(str(stop.signum))
-        os.replace(tmp, workdir / PREEMPTED)
+        write_text(workdir / PREEMPTED, str(stop.signum), private=True)
     finally:
         if rank == 0 and not process_alive(int(os.environ.get("APP_LAUNCHER_PID", "0"))):
             shutil.rmtree(workdir, ignore_errors=True)  # the launcher is gone: nobody else will clean up

@@ -27,6 +27,7 @@ from typing import Any
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.loggers import CSVLogger
 
+from app.atomic import atomic_write
 from app.elastic import (
     MPI_LAUNCH_DIR,
     MPI_RESTART,
@@ -320,10 +321,8 @@ class MPIRunLauncher(ResultsLauncher):
         if trainer is not None:
             results = self.collect_rank_zero_results(trainer, results)
         if self._strategy.global_rank == 0:
-            tmp = f"{result_path}.tmp"
-            with open(tmp, "wb") as f:
+            with atomic_write(result_path, "wb", private=True) as f:
                 pickle.dump(results, f)
-            os.replace(tmp, result_path)
 
 
 def _interrupted(trainer, exception: BaseException) -> None:

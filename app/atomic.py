@@ -1,0 +1,69 @@
+"""Files written whole or not at all: whoever reads one (a user, another rank, the launcher) finds the old file or
+the new one, never a part of one, whatever kills the writer.
+
+Each writer writes a temporary file beside the target (hidden, a name of its own, so ranks writing the same target
+never share one) and renames it onto the target once it is complete and on disk; an error on the way removes the
+temporary file and leaves the target as it was. Checkpoints add a disk-full message and a survivor's announcement
+of its save: :func:`app.checkpoint_io.atomic_torch_save`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str | None = None, private: bool = False) -> Iterator[Path]:
+    """A temporary path beside ``path`` for a writer that takes a path (matplotlib's ``savefig``,
+    ``torch.export.save``), renamed onto ``path`` when the block ends without an error, removed when it raises.
+
+    ``suffix``: the temporary file's (default ``path``'s: some writers pick the format by it). ``private``: keep
+    the temporary file's 0600 permissions (a file only this user may read); default: those a plain ``open`` gives.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix if suffix is None else suffix
+    )
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        if not private:
+            os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextmanager
+def atomic_write(path: str | os.PathLike, mode: str = "w", private: bool = False, **open_kwargs: Any) -> Iterator[IO]:
+    """``open(path, mode)`` (``"w"`` or ``"wb"``; ``open_kwargs`` such as ``newline=""``) whose file replaces ``path``
+    only once the block has ended without an error and the bytes are on disk (``fsync``)."""
+    with atomic_path(path, suffix=".tmp", private=private) as tmp, open(tmp, mode, **open_kwargs) as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_text(path: str | os.PathLike, text: str, private: bool = False) -> None:
+    """``Path(path).write_text(text)``, atomically (:func:`atomic_write`)."""
+    with atomic_write(path, "w", private=private) as f:
+        f.write(text)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes, private: bool = False) -> None:
+    """``Path(path).write_bytes(data)``, atomically (:func:`atomic_write`)."""
+    with atomic_write(path, "wb", private=private) as f:
+        f.write(data)
