@@ -21,6 +21,7 @@ from pathlib import Path
 
 import yaml
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from typing_extensions import override
 
 from app.errors import UserError
 from app.task import import_class
@@ -175,6 +176,7 @@ class Parser(LightningArgumentParser):
 
     config_files: dict[Path, object] = {}  # the --config files of this command line, as read (check_config_files)
 
+    @override
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:
             return super().error(message, ex)
@@ -209,6 +211,7 @@ class Parser(LightningArgumentParser):
             prog = f"{sys.argv[0]} {rest}".strip()
         raise UserError(f"{line}; see: python {prog} --help")
 
+    @override
     def add_method_arguments(self, *args, **kwargs):
         """The subcommands' arguments (``--ckpt_path`` among them, whose help is ours)."""
         added = super().add_method_arguments(*args, **kwargs)

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from typing_extensions import override
 
 from app.errors import UserError
 from app.task import spec_of
@@ -235,6 +236,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
     def __init__(self, allow_remote: bool = False) -> None:
         self.allow_remote = allow_remote
 
+    @override
     def save_checkpoint(
         self,
         checkpoint: dict[str, Any],
@@ -249,6 +251,7 @@ class SafeCheckpointIO(TorchCheckpointIO):
         checkpoint[CHECKSUM_KEY] = tensor_digests(checkpoint)
         atomic_torch_save(checkpoint, path, announce=announce)
 
+    @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
         location = map_location if map_location is not None else (lambda storage, loc: storage)
         return safe_torch_load(path, allow_remote=self.allow_remote, map_location=location)

@@ -9,6 +9,7 @@ them into LightningCLI's steps and turns their errors into ``error: ...`` lines 
 
 from __future__ import annotations
 
+import difflib
 import errno
 import importlib
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
+from typing_extensions import override
 
 import app  # noqa: F401  (registers the dp and horovod strategies)
 from app.arguments import (
@@ -104,16 +106,19 @@ class CLI(CkptPathRule, LightningCLI):
                     raise user_error from None
             raise
 
+    @override
     def subcommands(self) -> dict[str, set[str]]:
         """Lightning's subcommands, only the one asked for when the command line starts with it (``cli.py fit``):
         each subcommand's parser takes about 0.2 s to build, and only one of them runs."""
         every = LightningCLI.subcommands()
         return {self._requested: every[self._requested]} if self._requested in every else every
 
+    @override
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
         super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         self.parser.epilog = tools_epilog(self._tools)  # the tools are ours, dispatched in main()
 
+    @override
     def parse_arguments(self, parser, args) -> None:
         """Lightning's, with a strategy's options accepted after its short name (:func:`strategy_options_by_name`),
         and the trainer's settings checked before anything runs (Lightning seeds and prints "Seed set to" next)."""
@@ -132,6 +137,7 @@ class CLI(CkptPathRule, LightningCLI):
             check_reachable(trainer.num_nodes or 1, str(trainer.accelerator))
         self._seed_line = HeldRecords("lightning.fabric.utilities.seed")  # printed once the classes are built
 
+    @override
     def after_instantiate_classes(self) -> None:
         if self._seed_line is not None:
             self._seed_line.release()
@@ -141,6 +147,7 @@ class CLI(CkptPathRule, LightningCLI):
             # the data module and its messages keep the folder as given
             data.data_dir = os.path.abspath(os.path.expanduser(data.data_dir))
 
+    @override
     def add_arguments_to_parser(self, parser) -> None:
         defaults = {"trainer.max_epochs": 10, "trainer.logger": default_loggers()}
         # A model that takes --model.optimizer may name its default (the example task: SGD), shown in --help and
@@ -168,6 +175,7 @@ class CLI(CkptPathRule, LightningCLI):
     def _subconfig(self, config):
         return config[self.subcommand] if self.subcommand else config
 
+    @override
     def before_instantiate_classes(self) -> None:
         config = self._subconfig(self.config)
         # The default loggers write under --trainer.default_root_dir, as Lightning's own default logger does;
@@ -207,6 +215,7 @@ class CLI(CkptPathRule, LightningCLI):
         if job is not None and job.restarts_possible and self.subcommand == "fit":
             self._elastic_run = ElasticRunFolder(job, self._claimed, continued, self._elastic_ckpt)
 
+    @override
     def instantiate_trainer(self, **kwargs):
         config = self._subconfig(self.config_init)
         if config.trainer.get("logger") in (False, []):
@@ -261,6 +270,15 @@ def _rank_has_own_gpu(trainer_config, per_node: int, devices_given: bool) -> boo
     )
 
 
+def check_subcommand(argv: list[str], names: list[str]) -> None:
+    """A first word that names no subcommand is one line naming them all, the tools among them (argparse's own
+    message lists Lightning's only)."""
+    if argv and not argv[0].startswith("-") and argv[0] not in names:
+        close = difflib.get_close_matches(argv[0], names, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UserError(f"unknown subcommand {argv[0]!r}{hint}: choose from {', '.join(names)}; see cli.py --help")
+
+
 def main(
     args: list[str] | None = None,
     model: str | type | None = None,
@@ -279,6 +297,7 @@ def main(
         if argv and argv[0] in tools:
             importlib.import_module(tools[argv[0]][0]).main(argv[1:])
             return None
+        check_subcommand(argv, [*LightningCLI.subcommands(), *tools])
         return CLI(
             **task_classes(argv, model, data),
             tools=tools,

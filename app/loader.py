@@ -25,6 +25,9 @@ from typing import Any
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from typing_extensions import override
+
+from app.strategies.parallelism import parallelism
 
 
 def fit_to_ranks(count: int, ranks: int, drop_last: bool) -> int:
@@ -50,6 +53,7 @@ class ResumableSampler(DistributedSampler):
         self._resume_at = (epoch, consumed)
         self.set_epoch(epoch)
 
+    @override
     def set_epoch(self, epoch: int) -> None:
         super().set_epoch(epoch)
         resume_epoch, consumed = self._resume_at or (None, 0)
@@ -185,9 +189,10 @@ def devices_per_batch(strategy) -> int:
     """How many devices share each batch a loader gives: dp's (one process drives them all), a pipeline's stages
     (each stage runs every sample of its replica's batch), else 1. ``--data.batch_size`` is per device, so the
     loader's batch is that many times it, and the global batch is batch_size x devices under every strategy."""
-    return getattr(strategy, "devices_per_process", None) or getattr(strategy, "stages", None) or 1
+    layout = parallelism(strategy)
+    return layout.devices_per_process * layout.stages
 
 
 def data_parallel_size(trainer) -> int:
     """Into how many slices each global batch is dealt: the processes, or a pipeline's replicas."""
-    return getattr(trainer.strategy, "data_parallel_size", None) or trainer.world_size
+    return parallelism(trainer.strategy).data_parallel_size

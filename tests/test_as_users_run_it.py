@@ -243,6 +243,13 @@ def test_help_names_the_tools_and_what_ckpt_path_takes(capsys, tmp_path):
     out = " ".join(capsys.readouterr().out.split())
     assert "cli.py plot lightning_logs/version_N" in out and "'cli.py draw RUN' draws the run" in out
     with pytest.raises(SystemExit) as exit_info:
+        main(["drwa"], **TINY_TASK, tools=tools)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: unknown subcommand 'drwa' (did you mean draw?): choose from fit, validate, test, predict, plot, draw; "
+        "see cli.py --help"
+    )
+    with pytest.raises(SystemExit) as exit_info:
         main(["draw", str(tmp_path)], **TINY_TASK, tools=tools)
     assert exit_info.value.code == 2
     assert (

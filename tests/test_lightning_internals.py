@@ -204,6 +204,32 @@ def test_the_guard_finds_each_kind_of_planted_use(tmp_path, monkeypatch):
     assert len(expected) == 8 and found == expected
 
 
+def test_every_method_that_overrides_a_librarys_says_so():
+    """``@override`` on every method of app/ that replaces one of torch's, Lightning's or jsonargparse's, as Lightning
+    marks its own: a reader sees which hooks a class takes over, and a renamed hook is found by type checkers."""
+    import ast
+
+    from tests.private_api import LIBRARIES
+
+    missing = []
+    for path in sorted((ROOT / "app").rglob("*.py")):
+        module = importlib.import_module(
+            ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        )
+        for node in ast.parse(path.read_text()).body:
+            cls = getattr(module, node.name, None) if isinstance(node, ast.ClassDef) else None
+            if not isinstance(cls, type):
+                continue
+            bases = [b for b in cls.__mro__[1:] if b.__module__.partition(".")[0] in LIBRARIES]
+            for name, value in vars(cls).items():
+                function = value.fget if isinstance(value, property) else value
+                if name.startswith("__") or not inspect.isfunction(function) or not any(name in vars(b) for b in bases):
+                    continue
+                if not getattr(function, "__override__", False):
+                    missing.append(f"{path.relative_to(ROOT)}: {cls.__name__}.{name}")
+    assert len(missing) == 0, "methods that override a library's without @override:\n" + "\n".join(missing)
+
+
 def test_loop_counters_and_the_checkpoints_loop_layout(tmp_path):
     """What items 7 and 8 read and write, on a real fit and its checkpoint."""
     from lightning.pytorch.demos.boring_classes import BoringModel

@@ -300,3 +300,30 @@ def test_dp_on_one_device_is_the_single_device_run(monkeypatch, tmp_path):
     single, one_device_dp = fit("auto"), fit("dp")
     assert single.keys() == one_device_dp.keys()
     assert all(torch.equal(single[k], one_device_dp[k]) for k in single)
+
+
+# ---------------------------------------------------------- the strategy contract (app/strategies/parallelism.py)
+def test_each_strategy_states_its_parallelism_or_is_read_as_plain_data_parallel():
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    from app.loader import devices_per_batch
+    from app.strategies import FSDPStrategy, PipelineStrategy
+    from app.strategies.parallelism import FIELDS, DataParallel, parallelism
+
+    for cls in (DataParallelStrategy, FSDPStrategy, PipelineStrategy):  # the template's that differ: all four
+        assert all(hasattr(cls, name) for name in FIELDS), cls
+    dp = DataParallelStrategy(parallel_devices=[torch.device("cpu")] * 3)
+    assert parallelism(dp) is dp and (dp.devices_per_process, dp.stages, dp.data_parallel_size) == (3, 1, 1)
+    assert devices_per_batch(dp) == 3 and not dp.sharded
+    for plain in (DDPStrategy(), SingleDeviceStrategy(torch.device("cpu")), HorovodStrategy()):
+        assert parallelism(plain) == DataParallel(data_parallel_size=plain.world_size)
+        assert devices_per_batch(plain) == 1
+
+    class TwoStages(DDPStrategy):  # a user's strategy that states one field differently states all four
+        devices_per_process, stages, sharded = 1, 2, True
+
+        @property
+        def data_parallel_size(self) -> int:
+            return self.world_size // 2
+
+    assert devices_per_batch(TwoStages()) == 2 and parallelism(TwoStages()).sharded

@@ -33,6 +33,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
+from typing_extensions import override
 
 from app.errors import UserError
 from app.task import match_modules, spec_of
@@ -50,6 +51,7 @@ class ActivationCheckpointing(Callback):
         self.targets = self.modules
         self.wrapped: list[str] = []
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -67,6 +69,7 @@ class ActivationCheckpointing(Callback):
             )
         rank_zero_info(f"ActivationCheckpointing: {len(self.wrapped)} modules recompute in backward ({self.targets})")
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage == "fit":
             remove_activation_checkpointing(pl_module)

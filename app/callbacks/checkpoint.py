@@ -21,6 +21,7 @@ runs), before an epoch of training is lost; Lightning would raise only after the
 from __future__ import annotations
 
 from lightning.pytorch.callbacks import ModelCheckpoint as LightningModelCheckpoint
+from typing_extensions import override
 
 from app.errors import UserError
 from app.lightning_internals import fit_loop_state, put_fit_loop_state, refresh_last_checkpoint
@@ -31,10 +32,12 @@ class ModelCheckpoint(LightningModelCheckpoint):
         super().__init__(*args, **kwargs)
         self._validated = False  # whether a validation (not the sanity check) has run in this fit
 
+    @override
     def on_fit_start(self, trainer, pl_module) -> None:
         self._validated = False
         self._at_max_steps: tuple[int, dict] | None = None
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         cut_short = batch_idx + 1 < trainer.num_training_batches  # not the epoch's last batch
@@ -43,6 +46,7 @@ class ModelCheckpoint(LightningModelCheckpoint):
             # counters say the epoch finished), and a checkpoint saved from there would resume at the next epoch.
             self._at_max_steps = (trainer.global_step, fit_loop_state(trainer))
 
+    @override
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> dict | None:
         state = super().on_save_checkpoint(trainer, pl_module, checkpoint)
         stopped = getattr(self, "_at_max_steps", None)
@@ -50,17 +54,20 @@ class ModelCheckpoint(LightningModelCheckpoint):
             put_fit_loop_state(checkpoint, stopped[1])  # resumes inside the epoch that max_steps cut short
         return state
 
+    @override
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         nothing_to_rank = self.monitor is not None and not self._validated
         if not (nothing_to_rank and self.monitor not in trainer.callback_metrics):
             super().on_train_epoch_end(trainer, pl_module)
         refresh_last_checkpoint(self, trainer, at_train_epoch_end=True)
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         if trainer.fast_dev_run:  # "checkpointing is suppressed" (Lightning 2.6's on_train_end wrote last.ckpt)
             return
         super().on_train_end(trainer, pl_module)
 
+    @override
     def on_validation_end(self, trainer, pl_module) -> None:
         check_monitor_logged(self.monitor, trainer, pl_module)
         self._validated = self._validated or not trainer.sanity_checking

@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
 from app.errors import UserError
 from app.strategies.fsdp import FSDPStrategy
@@ -50,6 +51,7 @@ class DDPCommHook(Callback):
             raise UserError(f"--trainer.callbacks.powersgd_start_iter={powersgd_start_iter} must be >= 2")
         self.hook, self.powersgd_rank, self.powersgd_start_iter = hook, powersgd_rank, powersgd_start_iter
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         several = trainer.world_size > 1 or trainer.num_devices > 1
         plain_ddp = isinstance(trainer.strategy, DDPStrategy) and not isinstance(
@@ -67,6 +69,7 @@ class DDPCommHook(Callback):
                 f"app.callbacks.DDPCommHook works with --trainer.strategy=ddp or ddp_spawn, not {name}; {instead}"
             )
 
+    @override
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         model = trainer.strategy.model
         if not isinstance(model, DistributedDataParallel):  # one process: nothing is communicated

@@ -23,10 +23,12 @@ import math
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
 
 from app.callbacks.preemption import wait_for_local_ranks
 from app.errors import Diverged
 from app.lightning_internals import take_over_local_ranks
+from app.strategies.parallelism import parallelism
 from app.task import spec_of
 
 LOSS = "the training loss"  # what training_step returned, whatever the task logs it as
@@ -47,11 +49,13 @@ class StopOnNonFinite(Callback):
         self._steps = 0
         self._local_ranks: list = []  # rank 0 of a ddp launch: the other local ranks, once all stop
 
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._bad = torch.zeros((), dtype=torch.bool, device=pl_module.device)
         self._first_bad = torch.zeros((), dtype=torch.float32, device=pl_module.device)
         self._steps = 0
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if not isinstance(loss, torch.Tensor) or self._bad is None:
@@ -64,13 +68,16 @@ class StopOnNonFinite(Callback):
         if self._steps % self.check_every_n_steps == 0:
             self._check(trainer, pl_module, "training")
 
+    @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING:
             self._check(trainer, pl_module, "training")
 
+    @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._check(trainer, pl_module, "training")
 
+    @override
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict) -> None:
         # Called on every rank while the checkpoint is assembled, before anything is written. Weights are the same
         # on every rank (their gradients were all-reduced), so each rank reaches the same answer without talking;
@@ -78,7 +85,7 @@ class StopOnNonFinite(Callback):
         held = [p.detach() for p in pl_module.parameters() if not p.is_meta]  # (another stage's: not here)
         held = [p.to_local() if hasattr(p, "to_local") else p for p in held]  # (a shard's own piece)
         finite = bool(torch.stack([torch.isfinite(p).all() for p in held]).all()) if held else True
-        if getattr(trainer.strategy, "sharded", False):
+        if parallelism(trainer.strategy).sharded:
             finite = trainer.strategy.reduce_boolean_decision(finite, all=True)
         if not finite:
             self._local_ranks = take_over_local_ranks(trainer)
@@ -92,6 +99,7 @@ class StopOnNonFinite(Callback):
             self._local_ranks = take_over_local_ranks(trainer)  # before any rank can exit non-zero
             raise Diverged(self._message(trainer, LOSS, float(self._first_bad)), trainer.global_rank)
 
+    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         if isinstance(exception, Diverged):
             wait_for_local_ranks(self._local_ranks)  # all stop at the same step; rank 0 exits after its children

@@ -41,6 +41,7 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
 from app.atomic import write_text
 from app.callbacks.progress import console_print
@@ -72,6 +73,7 @@ from app.lightning_internals import (
     validation_follows,
 )
 from app.loader import ResumableLoader, data_parallel_size, devices_per_batch
+from app.strategies.parallelism import parallelism
 
 # Settings Lightning counts in batches per process (when given as a whole number)
 BATCH_COUNTS = ("limit_train_batches", "limit_val_batches", "val_check_interval")
@@ -135,12 +137,15 @@ class Elastic(Callback):
         self._saving_row: dict | None = None
 
     # ---------------------------------------------------------------- the run's shape, saved and restored
+    @override
     def state_dict(self) -> dict:
         return dict(self._shape or {})
 
+    @override
     def load_state_dict(self, state_dict: dict) -> None:
         self._restored = dict(state_dict) or None
 
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
@@ -167,6 +172,7 @@ class Elastic(Callback):
 
         logger.log_metrics = counted
 
+    @override
     def on_validation_start(self, trainer, pl_module) -> None:
         if not trainer.sanity_checking and self.restartable:
             self._rows_before_validation = self._rows
@@ -177,6 +183,7 @@ class Elastic(Callback):
             }
             self._validation_started = time.time()
 
+    @override
     def on_fit_start(self, trainer, pl_module) -> None:
         """Before the loops read them: batch counts given for another world size are rescaled to this one."""
         devices = data_parallel_size(trainer) * _devices_per_process(trainer)
@@ -211,6 +218,7 @@ class Elastic(Callback):
         if changed:
             rank_zero_info(f"{before} -> {now} devices: {', '.join(changed)} keep the batches of an epoch")
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         loader = _train_loader(trainer)
         if not isinstance(loader, ResumableLoader):
@@ -261,7 +269,7 @@ class Elastic(Callback):
             void.append("a resume from a checkpoint taken mid-epoch starts that epoch over")
         if self.restartable or is_restart():
             void.append("a restart after a lost node or rank changes neither the order nor the global batch")
-        if getattr(trainer.strategy, "devices_per_process", 1) > 1:
+        if parallelism(trainer.strategy).devices_per_process > 1:
             void.append(f"dp splits each of its batches over {_devices_per_process(trainer)} devices")
         if void:
             warnings.warn(
@@ -379,6 +387,7 @@ class Elastic(Callback):
         return restored
 
     # ---------------------------------------------------------------- a failure the launcher restarts from
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if self.restartable and (self._last_step is None or self._last_step[0] != trainer.global_step):
             # The position after an optimizer step, where Lightning's own step checkpoints are taken: the loops' and
@@ -394,6 +403,7 @@ class Elastic(Callback):
             self._rows_before_validation = None  # no validation since this step (yet)
             self._checkpointers_before_validation = None
 
+    @override
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self._saving_loops is not None:
             put_fit_loop_state(checkpoint, self._saving_loops)
@@ -405,6 +415,7 @@ class Elastic(Callback):
                 # the file being written is last.ckpt, as now (else the restart's save_last writes last-v1.ckpt)
                 states[key] = {**copy.deepcopy(before), "last_model_path": now.get("last_model_path", "")}
 
+    @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if not self.restartable or isinstance(exception, UserError | KeyboardInterrupt | SystemExit):
             return  # SystemExit: a preemption, which saved its own checkpoint, or a deliberate stop
@@ -439,11 +450,11 @@ class Elastic(Callback):
         step, loops = self._last_step
         if trainer.global_step != step:
             return False  # failed between an optimizer step and its batch's end: the weights are past the position
-        if getattr(trainer.strategy, "sharded", False):  # fsdp, pipeline: no rank holds the whole state, and the
+        if parallelism(trainer.strategy).sharded:  # fsdp, pipeline: no rank holds the whole state, and the
             # lost one's part is gone with it; the restart goes on from the last checkpoint on disk, as a resume would
             written = trainer.checkpoint_callback.last_model_path
             since = f"the last checkpoint written ({written})" if written and Path(written).is_file() else "the start"
-            part = "a stage's layers" if getattr(trainer.strategy, "stages", None) else "a shard"
+            part = "a stage's layers" if parallelism(trainer.strategy).stages > 1 else "a shard"
             say(
                 trainer,
                 f"[rank {trainer.global_rank}] {type(exception).__name__} after step {step}: under "
@@ -516,6 +527,7 @@ class ElasticRunFolder(Callback):
         self.agents = [agent_id()]  # the torchrun agents of the job's ranks, gathered once the process group formed
         self._shape_recorded = False
 
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
@@ -543,6 +555,7 @@ class ElasticRunFolder(Callback):
                 if isinstance(elastic, Elastic) and shape:
                     elastic.started_as = shape
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if self.claimed and trainer.is_global_zero and not self._shape_recorded:
             self._shape_recorded = True  # once: the first start's shape, which the Elastic callback knows by now
@@ -550,6 +563,7 @@ class ElasticRunFolder(Callback):
             for folder in self.claimed:
                 mark_run(folder, self.job, agents=self.agents, shape=shape)
 
+    @override
     def on_fit_end(self, trainer, pl_module) -> None:
         if not trainer.is_global_zero:
             return

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from lightning.pytorch.callbacks import LearningRateMonitor as LightningLearningRateMonitor
+from typing_extensions import override
 
 
 class LearningRateMonitor(LightningLearningRateMonitor):
@@ -26,6 +27,7 @@ class LearningRateMonitor(LightningLearningRateMonitor):
         super().__init__(logging_interval=logging_interval, **kwargs)
         self._step_seen: int | None = None
 
+    @override
     def on_train_batch_start(self, trainer, *args: Any, **kwargs: Any) -> None:
         if trainer.global_step == self._step_seen:
             return  # a later batch of the same accumulation window: the same step, the same learning rate

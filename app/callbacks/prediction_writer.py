@@ -25,6 +25,7 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
 from app.atomic import atomic_write
 from app.task import class_names
@@ -42,9 +43,11 @@ class PredictionWriter(BasePredictionWriter):
         self.filename = filename
         self._rows: list[tuple[int, Any, dict[str, Any]]] = []
 
+    @override
     def on_predict_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._rows = []
 
+    @override
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         columns = prediction_columns(prediction)
         labels = batch_labels(batch)
@@ -53,6 +56,7 @@ class PredictionWriter(BasePredictionWriter):
         for i, index in enumerate(batch_indices):
             self._rows.append((int(index), labels[i], {name: values[i] for name, values in columns.items()}))
 
+    @override
     def on_predict_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         rows = self._rows
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
 from app.callbacks.progress import console_print, live_bar_console
 from app.elastic import torchrun_restarts_possible
@@ -107,6 +108,7 @@ class Preemption(Callback):
             catch_early_signals(self.signals)
 
     # ---------------------------------------------------------------- setup
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit":
             return
@@ -123,9 +125,11 @@ class Preemption(Callback):
         if trainer.checkpoint_callback is None:
             rank_zero_info("Preemption: checkpointing is off, so a SIGTERM/SIGINT stops training without a checkpoint")
 
+    @override
     def on_sanity_check_start(self, trainer, pl_module) -> None:
         self._install()
 
+    @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._step_seen = trainer.global_step  # restored by now, on a resumed run
         self._install()
@@ -182,6 +186,7 @@ class Preemption(Callback):
         self._pending = None
         return int(flag.item())
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self._say_received(trainer)
         signum = self._decided or self._agreed_signal(trainer)
@@ -211,6 +216,7 @@ class Preemption(Callback):
         )
         raise Preempted(signum)
 
+    @override
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int, dataloader_idx: int = 0):
         if trainer.state.fn != "fit":
             return
@@ -233,6 +239,7 @@ class Preemption(Callback):
         )
         raise Preempted(signum)
 
+    @override
     def on_save_checkpoint(self, trainer, pl_module, checkpoint: dict) -> None:
         if self._stopping_in_validation:
             restart_validation(fit_loop_of(checkpoint))  # the resumed run validates the epoch in full
@@ -250,6 +257,7 @@ class Preemption(Callback):
         trainer.save_checkpoint(path, weights_only=False)
         return Path(path)
 
+    @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if not isinstance(exception, Preempted):
             return
@@ -259,9 +267,11 @@ class Preemption(Callback):
             for process in self._local_ranks:
                 process.kill()
 
+    @override
     def on_train_end(self, trainer, pl_module) -> None:
         self._collect()  # the last step's reduction, issued by every rank
 
+    @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
         for signum, handler in self._previous.items():
             if signal.getsignal(signum) == self._handle:

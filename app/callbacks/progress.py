@@ -29,6 +29,7 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
 from app.launcher import launcher_ranks
 
@@ -146,12 +147,14 @@ class ProgressBar(RichProgressBar):
         self.show = ["train/loss"] if show is None else list(show)
         self._drawn_at = float("-inf")
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         plain_under_the_launcher()  # before the bar's console is made (at the first loop's start)
         if self.is_enabled:
             log_above_the_bar()
 
+    @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Every rank reads the epoch's metrics here, together, before rank 0's bar does.
 
@@ -163,12 +166,14 @@ class ProgressBar(RichProgressBar):
             trainer.progress_bar_metrics  # noqa: B018  (the read is the point: it computes on every rank)
         super().on_train_epoch_end(trainer, pl_module)
 
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The bar is finished: leave it where it is, so what is printed at the end of the run (the run report)
         comes below it, not above a bar redrawn under everything."""
         if self.progress is not None:
             self.progress.stop()  # Lightning's teardown stops it again (a no-op) and prepares the next stage's
 
+    @override
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)  # the version folder: printed once at the start, not worth a place on the bar
@@ -190,10 +195,12 @@ class ProgressBar(RichProgressBar):
             return True
         return False
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         if not self.is_disabled and self._due(batch_idx, self.total_train_batches):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
+    @override
     def on_validation_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
@@ -202,12 +209,14 @@ class ProgressBar(RichProgressBar):
         if trainer.sanity_checking or self._due(batch_idx, self.total_val_batches_current_dataloader):
             super().on_validation_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
+    @override
     def on_test_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         if not self.is_disabled and self._due(batch_idx, self.total_test_batches_current_dataloader):
             super().on_test_batch_end(trainer, pl_module, outputs, batch, batch_idx, dataloader_idx)
 
+    @override
     def on_predict_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int, dataloader_idx: int = 0
     ) -> None:

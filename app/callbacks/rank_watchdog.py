@@ -39,6 +39,7 @@ from pathlib import Path
 import torch.distributed as dist
 from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
+from typing_extensions import override
 
 from app.callbacks.preemption import Preemption
 from app.elastic import restarts_left
@@ -46,6 +47,7 @@ from app.errors import UserError
 from app.lightning_internals import take_over_local_ranks
 from app.quiet import store_warnings_off
 from app.strategies.launch import process_alive
+from app.strategies.parallelism import parallelism
 
 EXIT_CODE = 1
 DONE = -(1 << 40)  # added to a rank's counter when it finishes
@@ -228,6 +230,7 @@ class RankWatchdog(Callback):
         # The horovod self-launch pickles the trainer into its ranks: the launching process's cleanups stay there.
         return {**self.__dict__, "before_exit": []}
 
+    @override
     def setup(self, trainer, pl_module, stage: str) -> None:
         if trainer.world_size == 1 or not dist.is_initialized():
             return
@@ -277,7 +280,7 @@ class RankWatchdog(Callback):
 
     def _sharded(self) -> bool:
         """fsdp, pipeline: each rank holds a part of the state, and a lost rank's part is gone (nothing to save)."""
-        return bool(getattr(self._strategy, "sharded", False))
+        return parallelism(self._strategy).sharded
 
     def _no_signal_checkpoint(self) -> str:
         """A stop signal came first (a launcher stops the other workers when one dies: torchrun, srun), and its
@@ -310,6 +313,7 @@ class RankWatchdog(Callback):
         if self._save is not None:
             self._save.set()
 
+    @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         # A collective that failed because a peer died (gloo: "Connection reset by peer") reaches here before the
         # heartbeat verdict: wait for the verdict, which names the rank and exits. Otherwise this rank is leaving.
@@ -318,6 +322,7 @@ class RankWatchdog(Callback):
         planned = isinstance(exception, SystemExit | KeyboardInterrupt)  # all ranks stop together (a preemption)
         self._finish(failed=not planned)  # the save announced by expect_save, if any, comes after (in turn)
 
+    @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
         self._finish()
         if self._save is not None and not self._save.is_set():

@@ -22,9 +22,10 @@ import time
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from typing_extensions import override
 
 from app.callbacks.progress import console_print
-from app.strategies.dp import DataParallelStrategy
+from app.strategies.parallelism import parallelism
 from app.task import batch_samples, epoch_note, spec_of
 
 _FIELDS = ("samples", "seconds", "steps", "peak_bytes")
@@ -42,6 +43,7 @@ class RunReport(Callback):
         self._global_step = 0  # trainer.global_step when the last training batch ended
 
     # ---------------------------------------------------------------- timing the training batches
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._run = dict.fromkeys(_FIELDS, 0.0)
         self._global_step = trainer.global_step  # a resumed run's steps count from here
@@ -50,10 +52,12 @@ class RunReport(Callback):
                 torch.cuda.reset_peak_memory_stats(device)
         self.on_train_epoch_start(trainer, pl_module)  # a run resumed mid-epoch gets no on_train_epoch_start
 
+    @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start = self._started = time.perf_counter()
         self._train_seconds, self._samples, self._loss_sum = 0.0, 0, 0.0
 
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         n = batch_samples(pl_module, batch)
         self._samples += n
@@ -69,15 +73,18 @@ class RunReport(Callback):
             self._train_seconds += time.perf_counter() - self._started
             self._started = None
 
+    @override
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self._pause(pl_module)
 
+    @override
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking and trainer.training:
             self._started = time.perf_counter()
 
     # ---------------------------------------------------------------- the epoch line
+    @override
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pause(pl_module)
         self._run["samples"] += self._samples
@@ -86,7 +93,7 @@ class RunReport(Callback):
         loss_sum = torch.as_tensor(self._loss_sum, dtype=torch.float64, device=pl_module.device).reshape(1)
         totals = torch.cat([torch.tensor([self._samples], dtype=torch.float64, device=pl_module.device), loss_sum])
         totals = trainer.strategy.reduce(totals, reduce_op="sum")
-        stages = getattr(trainer.strategy, "stages", 1)  # a pipeline's stages all see each of its samples
+        stages = parallelism(trainer.strategy).stages  # a pipeline's stages all see each of its samples
         samples, loss_sum = (total / stages for total in totals.tolist())
         seconds = time.perf_counter() - self._epoch_start
         parts = [f"epoch {trainer.current_epoch}"]
@@ -120,6 +127,7 @@ class RunReport(Callback):
         pl_module.log("perf/epoch_seconds", seconds, on_epoch=True, batch_size=1, sync_dist=True)
 
     # ---------------------------------------------------------------- the table per device
+    @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         rows = self.device_rows(trainer, pl_module)
         if trainer.is_global_zero and rows:
@@ -133,7 +141,7 @@ class RunReport(Callback):
             [
                 [
                     # its share: a pipeline's stages all see each sample, so the column adds up to the epoch line's
-                    self._run["samples"] / len(devices) / getattr(trainer.strategy, "stages", 1),
+                    self._run["samples"] / len(devices) / parallelism(trainer.strategy).stages,
                     self._run["seconds"],
                     self._run["steps"],
                     peak,
@@ -203,7 +211,7 @@ def _gather(local: torch.Tensor) -> torch.Tensor:
 def _devices(trainer: Trainer) -> list[torch.device]:
     """The devices this process drives: all of dp's, else the strategy's root device."""
     strategy = trainer.strategy
-    if isinstance(strategy, DataParallelStrategy):
+    if parallelism(strategy).devices_per_process > 1:
         return list(strategy.parallel_devices)
     return [strategy.root_device]
 

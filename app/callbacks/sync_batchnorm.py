@@ -28,28 +28,30 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from typing_extensions import override
 
 from app.errors import TemplateWarning, UserError
 from app.lightning_internals import drop_layer_sync
-from app.strategies.dp import DataParallelStrategy
+from app.strategies.parallelism import parallelism
 from app.strategies.pipeline import PipelineStrategy
 
 
 class SyncBatchNorm(Callback):
     """Convert BatchNorm layers to synchronized BatchNorm for multi-process training (no-op on one process)."""
 
+    @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
         strategy = trainer.strategy
-        if isinstance(strategy, DataParallelStrategy):
+        if parallelism(strategy).devices_per_process > 1:  # dp
             rank_zero_warn(
                 "SyncBatchNorm: strategy=dp runs its replicas in one process and cannot synchronize BatchNorm across "
                 "them; each device normalises its own chunk. Use --trainer.strategy=ddp for synchronized BN.",
                 category=TemplateWarning,
             )
             return
-        if isinstance(strategy, PipelineStrategy):
+        if isinstance(strategy, PipelineStrategy):  # whatever its stages: it normalises micro-batches
             raise UserError(
                 "SyncBatchNorm does not work with --trainer.strategy=pipeline: each stage holds other BatchNorm layers "
                 "and normalises micro-batches; use a batch-independent norm (GroupNorm, LayerNorm) or leave it out"
@@ -107,10 +109,12 @@ class AllReduceBatchNorm(_BatchNorm):
     Uneven batches are handled: each process contributes its own element count.
     """
 
+    @override
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
 
+    @override
     def forward(self, input: Tensor) -> Tensor:
         self._check_input_dim(input)
         use_batch_stats = self.training or not self.track_running_stats

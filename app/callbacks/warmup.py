@@ -27,6 +27,7 @@ from typing import Literal
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
 
 from app.errors import UserError
 from app.loader import data_parallel_size
@@ -101,6 +102,7 @@ class LRWarmup(Callback):
         return self.scale * warmup_factor(step, self.total_warmup_steps, self.start_factor, self.schedule)
 
     # ---------------------------------------------------------------- set-up
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         accumulate = trainer.accumulate_grad_batches
         steps_per_epoch = math.ceil(trainer.num_training_batches / accumulate)
@@ -142,14 +144,17 @@ class LRWarmup(Callback):
             group["lr"] = lr
 
     # ---------------------------------------------------------------- logging and clean-up
+    @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx) -> None:
         if self._last_lr is not None:
             pl_module.log("train/lr", self._last_lr, on_step=True, on_epoch=False, batch_size=1)
             self._last_lr = None
 
+    @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.teardown(trainer, pl_module, "fit")
 
+    @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         for handle in self._handles:
             handle.remove()

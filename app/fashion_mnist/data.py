@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from app.errors import TemplateWarning, UserError
 from app.fashion_mnist.augment import normalize, random_crop_flip
@@ -122,6 +123,7 @@ class FashionMNISTDataModule(LightningDataModule):
         """torchvision's download; a method of the module so that a test can make it fail (no network)."""
         download(self.data_dir)
 
+    @override
     def prepare_data(self) -> None:
         """Runs once per node (local rank 0): fetch the files, then read and check both splits.
 
@@ -156,6 +158,7 @@ class FashionMNISTDataModule(LightningDataModule):
         return self.files.read_split(split)
 
     # ------------------------------------------------------------------ Lightning hooks
+    @override
     def setup(self, stage: str) -> None:
         self.hparams.resolved_source = self.resolve_source()
         if stage in ("fit", "validate") and self.train_set is None:
@@ -263,18 +266,23 @@ class FashionMNISTDataModule(LightningDataModule):
             self.train_loader = loader  # names each batch for augmentation (batch_seed)
         return loader
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, train=False)
 
+    @override
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, train=False)
 
+    @override
     def predict_dataloader(self) -> DataLoader:
         return self._loader(self.predict_set, train=False)
 
+    @override
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         if not isinstance(batch, (tuple, list)) or batch[0].dtype != torch.uint8:
             return batch  # not one of our batches (e.g. the model summary's example input)

@@ -24,7 +24,7 @@ project's :func:`~app.fashion_mnist.networks.build_resnet` to become a network a
 - ``classes``, ``normalize`` (mean, std) and ``input`` (``[1, 28, 28]``): how to feed it and read its output;
 - where it came from: ``trained_on`` (the data source the run resolved: ``fashion_mnist`` or ``synthetic``),
   ``metrics`` (the checkpoint's monitored score, e.g. ``val/acc``, and the run's best), ``epoch``,
-  ``global_step``, ``checkpoint`` (the path exported) and ``git_commit`` (of this checkout, ``+dirty`` with
+  ``global_step``, ``checkpoint`` (the absolute path exported) and ``git_commit`` (of this checkout, ``+dirty`` with
   uncommitted changes; None outside a git checkout).
 
 To use the ``.pt`` file::
@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from app.atomic import atomic_path
 from app.errors import UserError
@@ -80,7 +81,7 @@ def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> P
         "metrics": checkpoint_metrics(checkpoint),
         "epoch": checkpoint.get("epoch"),
         "global_step": checkpoint.get("global_step"),
-        "checkpoint": str(ckpt_path),
+        "checkpoint": str(Path(ckpt_path).resolve()),
         "git_commit": git_commit(),
     }
     net = build_resnet(**network)
@@ -112,6 +113,7 @@ class FromPixels(nn.Module):
         self.register_buffer("mean", torch.tensor(MEAN))
         self.register_buffer("std", torch.tensor(STD))
 
+    @override
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net((images - self.mean) / self.std)
 

@@ -19,6 +19,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
+from typing_extensions import override
 
 from app.checkpoint_io import check_weights_fit, load_checkpoint
 from app.errors import UserError
@@ -45,10 +46,12 @@ class WeightedMean(Metric):
         self.add_state("total", default=torch.tensor(0.0), dist_reduce_fx="sum")
         self.add_state("weight", default=torch.tensor(0.0), dist_reduce_fx="sum")
 
+    @override
     def update(self, value: torch.Tensor, weight: int) -> None:
         self.total += value.detach().float() * weight
         self.weight += weight
 
+    @override
     def compute(self) -> torch.Tensor:
         return self.total / self.weight
 
@@ -123,6 +126,7 @@ class ImageClassifier(LightningModule):
         # The latest training step's values (device tensors), kept for the progress bar whether logged or not.
         self.step_values: dict[str, torch.Tensor] = {}
 
+    @override
     def configure_model(self) -> None:
         """Layout and compilation, applied once the model is on its device and before the strategy wraps it."""
         if self.hparams.get("channels_last"):
@@ -134,6 +138,7 @@ class ImageClassifier(LightningModule):
             self.net.compile(mode=self.hparams.compile_mode, dynamic=False)
             self._compiled = True
 
+    @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
             x.dtype != self.dtype and self.dtype == torch.float64
@@ -152,15 +157,19 @@ class ImageClassifier(LightningModule):
         # hooks see it); "batch_loss" is the batch's own mean loss, for logging.
         return {"loss": loss, "batch_loss": loss.detach(), "preds": logits.argmax(dim=1), "target": target}
 
+    @override
     def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         return self._step(batch)
 
+    @override
     def validation_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         return self._step(batch)
 
+    @override
     def test_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
         return self._step(batch)
 
+    @override
     def predict_step(self, batch, batch_idx: int, dataloader_idx: int = 0) -> dict[str, torch.Tensor]:
         images = batch[0] if isinstance(batch, (tuple, list)) else batch
         probs = self(images).float().softmax(dim=1)
@@ -191,25 +200,32 @@ class ImageClassifier(LightningModule):
         self.log(name, mean_loss, on_step=False, on_epoch=True)
         self.log(f"{stage}/acc", acc, on_step=False, on_epoch=True, prog_bar=stage == "val")
 
+    @override
     def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
         self._update("train", outputs, batch_idx)
 
+    @override
     def on_validation_batch_end(self, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._update("val", outputs)
 
+    @override
     def on_test_batch_end(self, outputs, batch, batch_idx: int, dataloader_idx: int = 0) -> None:
         self._update("test", outputs)
 
+    @override
     def on_train_epoch_end(self) -> None:
         self._log_epoch("train")
 
+    @override
     def on_validation_epoch_end(self) -> None:
         self._log_epoch("val")
 
+    @override
     def on_test_epoch_end(self) -> None:
         self._log_epoch("test")
 
     # ---------------------------------------------------------------- checkpoints
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """The data a checkpoint was trained on travels with it: the data module compares it with this run's
         (``FashionMNISTDataModule.check_trained_on``; a data module without that check is not asked)."""
@@ -222,6 +238,7 @@ class ImageClassifier(LightningModule):
             check(checkpoint, str(trainer.ckpt_path) if trainer.ckpt_path else None)
 
     # ---------------------------------------------------------------- optimisation
+    @override
     def configure_optimizers(self) -> Any:
         if self.optimizer_factory is None:
             optimizer = torch.optim.SGD(self.parameters(), **DEFAULT_SGD)

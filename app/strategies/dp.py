@@ -34,6 +34,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from torch import Tensor
 from torch.nn.parallel import parallel_apply, replicate
 from torch.nn.parallel.scatter_gather import scatter
+from typing_extensions import override
 
 from app.errors import UserError
 from app.launcher import mpi_world_size
@@ -53,38 +54,51 @@ class DataParallelStrategy(ParallelStrategy):
 
     # ---------------------------------------------------------------- one process: rank 0 of 1
     @property
+    @override
     def root_device(self) -> torch.device:
         return self.parallel_devices[0]
 
     @property
+    @override
     def global_rank(self) -> int:
         return 0
 
     @property
+    @override
     def local_rank(self) -> int:
         return 0
 
     @property
+    @override
     def node_rank(self) -> int:
         return 0
 
     @property
+    @override
     def world_size(self) -> int:
         return 1
 
     @property
+    @override
     def is_global_zero(self) -> bool:
         return True
 
+    # ---------------------------------------------------------------- its Parallelism (app/strategies/parallelism.py)
     @property
     def devices_per_process(self) -> int:
         """The data module loads this many devices' batches per step (``--data.batch_size`` is per device)."""
         return len(self.parallel_devices)
 
+    stages = 1  # no pipeline
+    data_parallel_size = 1  # one process takes each whole global batch, and splits it over its devices
+    sharded = False  # the root module holds every weight
+
     @property
+    @override
     def distributed_sampler_kwargs(self) -> None:
         return None
 
+    @override
     def _configure_launcher(self) -> None:
         """Called when the Trainer is built: one process needs no launcher, and must not be one of many."""
         if mpi_world_size() > 1:
@@ -94,6 +108,7 @@ class DataParallelStrategy(ParallelStrategy):
             )
         self._launcher = None
 
+    @override
     def model_to_device(self) -> None:
         """Called in set-up, after the task's ``configure_model`` (where a task compiles its network)."""
         compiled = compiled_modules(self.model)
@@ -105,34 +120,43 @@ class DataParallelStrategy(ParallelStrategy):
             )
         self.model.to(self.root_device)
 
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         pass  # one process: nothing to wait for
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         return obj
 
+    @override
     def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         return tensor  # already the value of the whole batch: the outputs were gathered
 
+    @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         return tensor
 
+    @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         return decision
 
     # ---------------------------------------------------------------- the steps
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
             return self._data_parallel("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
             return self._data_parallel("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
             return self._data_parallel("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._data_parallel("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import default_pg_timeout
 from torch.nn.modules.batchnorm import _BatchNorm
+from typing_extensions import override
 
 from app.errors import UserError
 from app.strategies.split import SplitModelStrategy
@@ -149,11 +150,21 @@ class FSDPStrategy(SplitModelStrategy):
             cast_forward_inputs=True,
         )
 
+    # ---------------------------------------------------------------- its Parallelism (app/strategies/parallelism.py)
+    devices_per_process = 1
+    stages = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size  # every rank takes a slice of each batch, as under ddp
+
     @property
     def sharded(self) -> bool:
+        """Whether the model is sharded yet (a rank holds 1/N of it): from set-up on."""
         return self.model is not None and _is_sharded(self.model)
 
     # ---------------------------------------------------------------- one full state dict in every checkpoint
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self.sharded:
             return super().lightning_module_state_dict()
@@ -162,6 +173,7 @@ class FSDPStrategy(SplitModelStrategy):
         # every rank takes part in the gathering; rank 0 gets the full tensors, on the CPU, the others nothing
         return get_model_state_dict(self.model, options=_full_state())
 
+    @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         if not self.sharded:
             return super().optimizer_state(optimizer)
@@ -171,6 +183,7 @@ class FSDPStrategy(SplitModelStrategy):
         state = get_optimizer_state_dict(self.model, optimizer, options=_full_state())
         return _by_index(state) if self.is_global_zero else {}
 
+    @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
         if not self.sharded:
             return super().load_optimizer_state_dict(checkpoint)

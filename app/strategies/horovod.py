@@ -45,6 +45,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from typing_extensions import override
 
 from app.errors import UserError
 from app.launcher import launcher_ranks, one_gpu_per_rank
@@ -152,22 +153,27 @@ class HorovodStrategy(ParallelStrategy):
         return isinstance(self.cluster_environment, MPILaunchEnvironment)
 
     @property
+    @override
     def global_rank(self) -> int:
         return self.cluster_environment.global_rank() if self._launched else 0
 
     @property
+    @override
     def local_rank(self) -> int:
         return self.cluster_environment.local_rank() if self._launched else 0
 
     @property
+    @override
     def node_rank(self) -> int:
         return self.cluster_environment.node_rank() if self._launched else 0
 
     @property
+    @override
     def world_size(self) -> int:
         return self.cluster_environment.world_size() if self._launched else 1
 
     @property
+    @override
     def root_device(self) -> torch.device:
         devices = self.parallel_devices or [torch.device("cpu")]
         # one device per process of the node; a rank given a GPU of its own (one_gpu_per_rank) has just that one
@@ -179,9 +185,11 @@ class HorovodStrategy(ParallelStrategy):
         return self.world_size > 1
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         return {"num_replicas": self.world_size, "rank": self.global_rank}
 
+    @override
     def _configure_launcher(self) -> None:
         """Called when the Trainer is built: check the launch, and start mpirun ourselves when there is none."""
         ranks = launcher_ranks()
@@ -245,6 +253,7 @@ class HorovodStrategy(ParallelStrategy):
         self._launcher = None
 
     # ---------------------------------------------------------------- set-up
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()  # the accelerator selects self.root_device
         if self.backend == "horovod":
@@ -274,6 +283,7 @@ class HorovodStrategy(ParallelStrategy):
             f"op={self.op}, fusion_mb={self.fusion_mb:g}"
         )
 
+    @override
     def setup(self, trainer) -> None:
         super().setup(trainer)  # model to device, optimizers, precision
         module = self.lightning_module
@@ -314,11 +324,13 @@ class HorovodStrategy(ParallelStrategy):
             if self.global_rank != 0:
                 optimizer.load_state_dict(state[0])
 
+    @override
     def model_to_device(self) -> None:
         self.model.to(self.root_device)
 
     # ---------------------------------------------------------------- gradients
     @contextmanager
+    @override
     def block_backward_sync(self):
         """Lightning enters this for the batches that only accumulate: no communication then."""
         if self._grad_sync is None:
@@ -330,10 +342,12 @@ class HorovodStrategy(ParallelStrategy):
         finally:
             self._grad_sync.enabled = True
 
+    @override
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._grad_sync is not None and self._grad_sync.enabled:
             self._grad_sync.synchronize()
 
+    @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
         """With ``op=adasum``: a local step, then the ranks' weight deltas combined (see :class:`AdasumDelta`)."""
         if self._adasum is None:
@@ -342,10 +356,12 @@ class HorovodStrategy(ParallelStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # ---------------------------------------------------------------- collectives
+    @override
     def barrier(self, name: str | None = None) -> None:
         if _group_ready():
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not _group_ready():
             return obj
@@ -353,6 +369,7 @@ class HorovodStrategy(ParallelStrategy):
         dist.broadcast_object_list(payload, src=src)
         return payload[0]
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if not isinstance(tensor, Tensor) or not _group_ready():
             return tensor
@@ -368,6 +385,7 @@ class HorovodStrategy(ParallelStrategy):
         size = dist.get_world_size(group)
         return tensor.div_(size) if tensor.is_floating_point() else tensor.copy_(tensor // size)
 
+    @override
     def all_gather(self, tensor: Tensor, group: Any = None, sync_grads: bool = False) -> Tensor:
         """Every rank's ``tensor``, stacked along a new first dimension (as Lightning's strategies return it)."""
         if not _group_ready():
@@ -381,6 +399,7 @@ class HorovodStrategy(ParallelStrategy):
         dist.all_gather(gathered, tensor, group=group)
         return torch.stack(gathered)
 
+    @override
     def teardown(self) -> None:
         if self._grad_sync is not None:
             self._grad_sync.remove()

@@ -26,6 +26,7 @@ from typing import Any
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.loggers import CSVLogger
+from typing_extensions import override
 
 from app.atomic import atomic_write
 from app.elastic import (
@@ -60,6 +61,7 @@ class MPILaunchEnvironment(ClusterEnvironment):
         self._port: int | None = None
 
     @property
+    @override
     def creates_processes_externally(self) -> bool:
         return True
 
@@ -103,30 +105,38 @@ class MPILaunchEnvironment(ClusterEnvironment):
             )
 
     @property
+    @override
     def main_address(self) -> str:
         self._rendezvous()
         return self._address
 
     @property
+    @override
     def main_port(self) -> int:
         self._rendezvous()
         return self._port
 
+    @override
     def world_size(self) -> int:
         return self._world_size
 
+    @override
     def set_world_size(self, size: int) -> None:
         pass  # fixed by the launcher
 
+    @override
     def global_rank(self) -> int:
         return self._rank
 
+    @override
     def set_global_rank(self, rank: int) -> None:
         pass  # fixed by the launcher
 
+    @override
     def local_rank(self) -> int:
         return self._local_rank
 
+    @override
     def node_rank(self) -> int:
         return self._rank // self._local_size
 
@@ -184,9 +194,11 @@ class MPIRunLauncher(ResultsLauncher):
         super().__init__(strategy, start_method="spawn")
 
     @property
+    @override
     def is_interactive_compatible(self) -> bool:
         return False
 
+    @override
     def launch(self, function: Callable, *args: Any, trainer=None, **kwargs: Any) -> Any:
         remove_stale_launch_folders()
         workdir = Path(tempfile.mkdtemp(prefix=LAUNCH_PREFIX))  # mode 0700: only we can read it

@@ -48,6 +48,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed import default_pg_timeout
+from typing_extensions import override
 
 from app.errors import UserError
 from app.strategies.dp import batch_len, combine_outputs, split_batch
@@ -126,7 +127,9 @@ class PipelineStrategy(SplitModelStrategy):
         self._pipeline: _Pipeline | None = None
         self._example_input = None  # the module's example_input_array, put back after the run
 
-    # ---------------------------------------------------------------- the layout: stages x replicas
+    # ---------------------------------------------------------------- the layout: stages x replicas, its Parallelism
+    devices_per_process = 1  # (app/strategies/parallelism.py)
+
     @property
     def stages(self) -> int:
         return self._stages or self.num_processes
@@ -145,6 +148,7 @@ class PipelineStrategy(SplitModelStrategy):
         return self.global_rank // self.stages
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.data_parallel_size, "rank": self.replica}
 
@@ -153,6 +157,7 @@ class PipelineStrategy(SplitModelStrategy):
         """Whether the model's layers are spread over the processes (no process holds them all)."""
         return self._pipeline is not None
 
+    @override
     def _configure_launcher(self) -> None:  # Lightning calls it when the Trainer is made: before any launch
         world = self.num_processes * self.num_nodes
         if world % self.stages and self.balance and not self._stages_given:  # the stages are balance's entries
@@ -178,6 +183,7 @@ class PipelineStrategy(SplitModelStrategy):
         super()._configure_launcher()
 
     # ---------------------------------------------------------------- cut the network
+    @override
     def setup(self, trainer) -> None:
         if not self.lightning_module.automatic_optimization:
             raise UserError(
@@ -200,6 +206,7 @@ class PipelineStrategy(SplitModelStrategy):
             self._example_input, model.example_input_array = model.example_input_array, None
         return model
 
+    @override
     def teardown(self) -> None:
         if self._pipeline is not None:
             self.lightning_module.example_input_array = self._example_input
@@ -209,15 +216,19 @@ class PipelineStrategy(SplitModelStrategy):
         super().teardown()
 
     # ---------------------------------------------------------------- steps: through the pipeline
+    @override
     def training_step(self, *args, **kwargs):
         return self._step("training_step", self.precision_plugin.train_step_context, args, kwargs)
 
+    @override
     def validation_step(self, *args, **kwargs):
         return self._step("validation_step", self.precision_plugin.val_step_context, args, kwargs)
 
+    @override
     def test_step(self, *args, **kwargs):
         return self._step("test_step", self.precision_plugin.test_step_context, args, kwargs)
 
+    @override
     def predict_step(self, *args, **kwargs):
         return self._step("predict_step", self.precision_plugin.predict_step_context, args, kwargs)
 
@@ -227,6 +238,7 @@ class PipelineStrategy(SplitModelStrategy):
         with context():
             return self._pipeline.run(hook, args, kwargs, train=hook == "training_step")
 
+    @override
     def backward(self, closure_loss, optimizer, *args, **kwargs):
         """The schedule ran the backward inside the training step; here its gradients join the parameters' (after
         Lightning zeroed them), between the hooks that run around a backward."""
@@ -237,11 +249,13 @@ class PipelineStrategy(SplitModelStrategy):
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     # ---------------------------------------------------------------- one full state dict in every checkpoint
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._pipeline is None:
             return super().lightning_module_state_dict()
         return self._pipeline.gather(_real(self.lightning_module.state_dict()))
 
+    @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
         """The full state, minus the parameters of other stages (which live on the ``meta`` device here)."""
         if self._pipeline is None:
@@ -253,6 +267,7 @@ class PipelineStrategy(SplitModelStrategy):
             optimizer.load_state_dict({**state, "state": mine})  # onto each parameter's device
         return None
 
+    @override
     def optimizer_state(self, optimizer) -> dict[str, Any]:
         if self._pipeline is None:
             return super().optimizer_state(optimizer)

@@ -12,6 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed import default_pg_timeout
+from typing_extensions import override
 
 from app.errors import UserError
 
@@ -39,6 +40,7 @@ class SplitModelStrategy(DDPStrategy):
             timeout=timeout,
         )
 
+    @override
     def _configure_launcher(self) -> None:  # Lightning calls it when the Trainer is made: before any launch
         # A GPU's 16-mixed only: on CPU Lightning has made it bf16-mixed by now (with its own warning), as it does
         # for every strategy, and bf16 needs no loss scaling
@@ -49,11 +51,13 @@ class SplitModelStrategy(DDPStrategy):
             )
         super()._configure_launcher()
 
+    @override
     def setup(self, trainer) -> None:
         super().setup(trainer)  # fitting: configure_ddp() splits the model before the optimizers are made
         if trainer.state.fn != TrainerFn.FITTING:  # test / validate / predict
             self.model = self.split(self.model)
 
+    @override
     def configure_ddp(self) -> None:
         self.model = self.split(self.model)  # no DistributedDataParallel, no communication hooks
 

@@ -111,7 +111,8 @@ def test_tensorboard_opens_on_the_accuracy_and_the_loss(run_dir):
     tags = accumulator.Tags()["scalars"]
     groups = sorted({tag.partition("/")[0] for tag in tags})
     assert groups[:2] == ["acc", "loss"] and "epoch" not in tags, groups
-    assert {"acc/train", "acc/val", "loss/train", "loss/val"} <= set(tags)
+    assert {"acc/train", "acc/val", "loss/train", "loss/train_epoch", "loss/val"} <= set(tags)
+    assert groups[2:] == ["lr-SGD", "perf"], groups  # nothing else: every loss in one group
     val_acc = [float(row["val/acc"]) for row in read_rows(run_dir / "metrics.csv") if row["val/acc"]]
     assert [event.value for event in accumulator.Scalars("acc/val")] == pytest.approx(val_acc, rel=1e-6)
 
