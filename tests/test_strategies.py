@@ -35,7 +35,7 @@ from tests.parity import (
     run_parity,
 )
 from tests.parity_run import DTYPES
-from tests.tiny import TinyClassifier
+from tests.tiny import TinyClassifier, TinyData
 
 
 @pytest.mark.slow
@@ -182,7 +182,7 @@ def test_dp_refuses_a_compiled_module_of_any_task_before_a_step(wrapper, tmp_pat
     with pytest.raises(
         UserError, match=r"^--trainer.strategy=dp cannot run a compiled module \(net.head: torch.compile"
     ):
-        trainer.fit(model)
+        trainer.fit(model, datamodule=TinyData())
     assert trainer.global_step == 0
 
 

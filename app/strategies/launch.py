@@ -50,6 +50,12 @@ class MPILaunchEnvironment(ClusterEnvironment):
     With mpi4py the address and a free port travel by ``MPI.COMM_WORLD.bcast``. Without it, ``MASTER_ADDR`` and
     ``MASTER_PORT`` are used when set; a single-node job then falls back to localhost and a port derived from the
     job's id, which every rank computes alike.
+    Why not a subclass of Lightning's ``MPIEnvironment``: its ``__init__`` refuses to run without mpi4py, its
+    ``detect`` initialises MPI to ask the world size, and its local and node ranks come from a gather of every rank's
+    host name, a collective at first use. This one reads the ranks the launcher already put in the environment (Open
+    MPI's, PMI's, SLURM's: :func:`app.launcher.launcher_ranks`), before and without MPI, and needs mpi4py only for
+    the rendezvous address, with a fallback. A subclass would override every method it inherits and still carry the
+    mpi4py requirement of its ``__init__``.
     """
 
     def __init__(self) -> None:

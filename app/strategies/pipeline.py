@@ -46,6 +46,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import nn
 from torch.distributed import default_pg_timeout
 from typing_extensions import override
@@ -556,13 +557,7 @@ def _loss_of(result: Any) -> torch.Tensor:
 
 
 def _detached(result: Any) -> Any:
-    if isinstance(result, torch.Tensor):
-        return result.detach()
-    if isinstance(result, dict):
-        return {k: _detached(v) for k, v in result.items()}
-    if isinstance(result, list | tuple):
-        return type(result)(_detached(v) for v in result)
-    return result
+    return apply_to_collection(result, torch.Tensor, torch.Tensor.detach)
 
 
 def _split_output(output: Any, count: int) -> list[Any]:
@@ -575,21 +570,13 @@ def _split_output(output: Any, count: int) -> list[Any]:
 
 
 def _to(value: Any, device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device)
-    if isinstance(value, dict):
-        return {k: _to(v, device) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_to(v, device) for v in value)
-    return value
+    return apply_to_collection(value, torch.Tensor, lambda t: t.detach().to(device))
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for v in value for t in _tensors(v)]
-    return []
+    found: list[torch.Tensor] = []
+    apply_to_collection(value, torch.Tensor, found.append)
+    return found
 
 
 def _is_meta(value: Any) -> bool:
