@@ -106,6 +106,7 @@ DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.RandomState"},  # each rank's generators in every checkpoint: exact resume
     {"class_path": "app.callbacks.ResumeSettings"},  # a resume's changed optimizer settings go over the restored
     {"class_path": "app.callbacks.StopOnNonFinite"},
+    {"class_path": "app.callbacks.CUDAGraphSteps"},  # torch.compile's CUDA graphs replay only with step marks
 ]
 
 

@@ -89,6 +89,11 @@ PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
         "lightning.pytorch.core.optimizer:LightningOptimizer",
         "the wrapped optimizer",
     ),
+    # The keyword arguments DDPStrategy hands DistributedDataParallel; set before it wraps the model (no public hook).
+    ("app/strategies/ddp.py", "_ddp_kwargs"): (
+        "lightning.pytorch.strategies:DDPStrategy",
+        "broadcast_buffers off in a world of one",
+    ),
     # ddp_spawn is DDPStrategy with _start_method "spawn"; its strategy_name attribute says "ddp" for both.
     ("app/callbacks/run_report.py", "_start_method"): (
         "lightning.pytorch.strategies:DDPStrategy",

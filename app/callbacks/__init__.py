@@ -2,6 +2,7 @@
 
 from app.callbacks.activation_checkpointing import ActivationCheckpointing
 from app.callbacks.checkpoint import ModelCheckpoint
+from app.callbacks.cuda_graphs import CUDAGraphSteps
 from app.callbacks.ddp_comm_hook import DDPCommHook
 from app.callbacks.divergence import StopOnNonFinite
 from app.callbacks.elastic import Elastic
@@ -20,6 +21,7 @@ from app.errors import Diverged, Preempted
 __all__ = [
     "ActivationCheckpointing",
     "AllReduceBatchNorm",
+    "CUDAGraphSteps",
     "DDPCommHook",
     "Diverged",
     "Elastic",

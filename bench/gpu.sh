@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU checks of issues 44 and 46 in one command, on a bare GPU machine with no network (python3 with torch,
+# Lightning and torchmetrics installed; the other packages as wheels in .whl/, the real Fashion-MNIST in DATA):
+#
+#   BENCH_COMMIT=abc1234 OUT=/tmp/out DATA=$PWD/.gpu/data bash bench/gpu.sh setup probe bench
+#   BENCH_COMMIT=abc1234 OUT=/tmp/out DATA=$PWD/.gpu/data bash bench/gpu.sh setup data tests
+#
+# Sections, in the order given:
+#   setup  a venv in /tmp/venv over python3's packages, with .whl/*.whl and this checkout (editable)
+#   probe  python -m bench.cudagraphs: where a compiled step loses its CUDA graphs (plain loop, cli.py, Lightning)
+#   bench  python -m bench --repeats 3: cli.py fit on one GPU under auto, dp and ddp against the plain loop
+#   data   the seeds' d2l settings and the full recipe on the real data (configs/d2l.yaml, fashion_mnist.yaml)
+#   tests  the suite's GPU tests (tests/test_gpu.py, tests/fashion_mnist/test_gpu_recipe.py)
+# Each section has its own time limit and logs to $OUT/<section>.txt; bench/results is packed into $OUT at the end.
+set -u
+OUT=${OUT:-/tmp/gpu-out}
+DATA=${DATA:-$PWD/.gpu/data}
+PY=/tmp/venv/bin/python
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+section() {  # section NAME SECONDS COMMAND...: run with a time limit, log, and say how it ended
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    echo "== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
+    timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc after $((SECONDS - start))s"
+    tail -n 25 "$OUT/$name.txt"
+}
+
+for step in "$@"; do
+    case $step in
+    setup)
+        python3 -m venv --without-pip /tmp/venv  # pip, torch and the rest come from python3's site-packages
+        site=$(python3 -c 'import site; print(site.getsitepackages()[0])')
+        echo "$site" >"$(/tmp/venv/bin/python -c 'import site; print(site.getsitepackages()[0])')/base.pth"
+        $PY -m pip install -q --no-index --no-deps --no-compile .whl/*.whl
+        $PY -m pip install -q --no-index --no-deps --no-build-isolation -e .
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+        $PY -c 'import torch, lightning, torchmetrics, jsonargparse; print("torch", torch.__version__, "lightning", lightning.__version__, "torchmetrics", torchmetrics.__version__, "jsonargparse", jsonargparse.__version__)'
+        ;;
+    probe)
+        section probe 230 $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
+            --channels-last --compile-mode reduce-overhead --steps 60 --variants plain,cli,cli-mark,lightning,lightning+mark
+        ;;
+    bench)
+        section bench 150 $PY -m bench --arch resnet18 --batch-size 256 --precision bf16-mixed --channels-last \
+            --strategies auto,dp,ddp --steps 40 --repeats 3 --data-dir /tmp/bench-data
+        ;;
+    data)
+        fast=(--config "$PWD/configs/gpu_fast.yaml" --model.compile_mode=reduce-overhead "--data.data_dir=$DATA")
+        section d2l 130 $PY -m bench.quickstart --config configs/d2l.yaml -- "${fast[@]}"
+        section recipe 170 $PY -m bench.quickstart --config configs/fashion_mnist.yaml -- "${fast[@]}"
+        ;;
+    tests)
+        section tests 150 $PY -m pytest -p no:cacheprovider -q -n 3 -rs tests/test_gpu.py \
+            tests/fashion_mnist/test_gpu_recipe.py
+        ;;
+    *) echo "unknown section $step" ;;
+    esac
+done
+tar czf "$OUT/results.tgz" bench/results
