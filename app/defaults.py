@@ -94,7 +94,7 @@ def last_checkpoint(default_root_dir: str | Path = ".") -> str | None:
 # ``enable_progress_bar``, ``enable_model_summary``), or names it in ``--drop_callbacks``.
 DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.ProgressBar"},
-    {"class_path": "lightning.pytorch.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},
+    {"class_path": "app.callbacks.RichModelSummary", "init_args": {"max_depth": 2}},  # its forward compiles nothing
     {"class_path": "app.callbacks.LearningRateMonitor"},  # Lightning's, one row per optimizer step
     {"class_path": "app.callbacks.ModelCheckpoint"},  # its settings come from the task's spec: checkpoint_options
     {"class_path": "app.callbacks.RunReport"},
@@ -106,7 +106,6 @@ DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.RandomState"},  # each rank's generators in every checkpoint: exact resume
     {"class_path": "app.callbacks.ResumeSettings"},  # a resume's changed optimizer settings go over the restored
     {"class_path": "app.callbacks.StopOnNonFinite"},
-    {"class_path": "app.callbacks.CUDAGraphSteps"},  # torch.compile's CUDA graphs replay only with step marks
 ]
 
 

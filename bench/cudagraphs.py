@@ -1,19 +1,18 @@
 """Where a compiled step loses its CUDA graphs: the plain loop and ``cli.py fit``, step by step, with torch's own logs.
 
     python -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed --channels-last \\
-        --compile-mode reduce-overhead --steps 60            # one GPU: five fresh processes, about 4 minutes
+        --compile-mode reduce-overhead --steps 60            # one GPU: four fresh processes, about 3 minutes
 
 On one H200 the plain loop ran 0.80 s per epoch under ``reduce-overhead`` and ``cli.py fit`` 5.08 s (issue 44): this
 probe says why, in one command. Each variant runs in a fresh process on the same network, batch, data and precision:
 
 - ``plain``: ``bench/plain.py``'s loop, compiled the same way;
-- ``cli``: ``cli.py fit`` as users run it (every default callback, the loggers, checkpoints), which marks each
-  step's start for the CUDA graph trees (``app.callbacks.CUDAGraphSteps``, on by default);
-- ``cli-mark``: the same without those marks (``--drop_callbacks=[CUDAGraphSteps]``: the template before issue 44);
-- ``lightning``: ``cli.py fit`` with every default callback, the loggers and checkpoints off: Lightning alone,
-  with no marks;
-- ``+mark`` after ``plain`` or ``lightning``: ``torch.compiler.cudagraph_mark_step_begin()`` at the start of every
-  training step (:class:`StepMarks` in the ``cli.py`` runs).
+- ``cli``: ``cli.py fit`` as users run it (every default callback, the loggers, checkpoints);
+- ``baseline``: the same with another checkout's ``cli.py`` (``--baseline DIR``): before and after a change, in one run;
+- ``lightning``: ``cli.py fit`` with every default callback, the loggers and checkpoints off: Lightning alone;
+- ``+mark`` after any of them: ``torch.compiler.cudagraph_mark_step_begin()`` at the start of every training step
+  (:class:`StepMarks` in the ``cli.py`` runs). On an H200 it made Lightning's steps slower (16.0 ms of host time
+  against 5.0), so the template does not mark steps.
 
 For each: the per-step median, p90 and max of the host time (between step starts, ``perf_counter``) and of the
 device time (CUDA events around each step, read after the run: nothing waits inside it), over the steps after the
@@ -133,7 +132,7 @@ class StepMarks(Callback):
 
 # ------------------------------------------------------------------------------------------------ the variants
 def command(variant: str, args, data_dir: Path) -> list[str]:
-    base, mark, unmark = variant.partition("+")[0].partition("-")[0], "+mark" in variant, "-mark" in variant
+    base, _, mark = variant.partition("+")
     if base == "plain":
         cmd = [
             sys.executable, "-m", "bench.plain", f"--arch={args.arch}", f"--batch-size={args.batch_size}",
@@ -145,7 +144,7 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
         return cmd + (["--mark-steps"] if mark else [])
     accelerator = "gpu" if args.device.startswith("cuda") else "cpu"
     cmd = [
-        sys.executable, str(ROOT / "cli.py"), "fit",
+        sys.executable, str((args.baseline if base == "baseline" else ROOT) / "cli.py"), "fit",
         f"--model.arch={args.arch}", f"--data.batch_size={args.batch_size}", f"--data.data_dir={data_dir}",
         f"--data.source={args.source}", f"--trainer.accelerator={accelerator}", "--trainer.devices=1",
         "--trainer.max_epochs=2", f"--trainer.limit_train_batches={args.steps}", "--trainer.limit_val_batches=5",
@@ -163,7 +162,6 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
         cmd += ["--trainer.enable_model_summary=false"]
     else:
         cmd += ["--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=50"]
-        cmd += ["--drop_callbacks=[CUDAGraphSteps]"] if unmark else []
     return cmd + (["--trainer.callbacks+=bench.cudagraphs.StepMarks"] if mark else [])
 
 
@@ -217,7 +215,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile-mode", default="reduce-overhead")
-    parser.add_argument("--variants", default="plain,cli,cli-mark,lightning,lightning+mark")
+    parser.add_argument("--variants", default="plain,cli,lightning,lightning+mark")
+    parser.add_argument("--baseline", type=Path, help="another checkout, run as the variant 'baseline'")
     parser.add_argument("--data-dir", type=Path, help="Fashion-MNIST files (default: the synthetic stand-in)")
     parser.add_argument("--source", default="synthetic", choices=["synthetic", "fashion_mnist"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

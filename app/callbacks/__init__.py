@@ -2,11 +2,11 @@
 
 from app.callbacks.activation_checkpointing import ActivationCheckpointing
 from app.callbacks.checkpoint import ModelCheckpoint
-from app.callbacks.cuda_graphs import CUDAGraphSteps
 from app.callbacks.ddp_comm_hook import DDPCommHook
 from app.callbacks.divergence import StopOnNonFinite
 from app.callbacks.elastic import Elastic
 from app.callbacks.lr_monitor import LearningRateMonitor
+from app.callbacks.model_summary import RichModelSummary
 from app.callbacks.prediction_writer import PredictionWriter
 from app.callbacks.preemption import Preemption
 from app.callbacks.progress import ProgressBar
@@ -21,7 +21,6 @@ from app.errors import Diverged, Preempted
 __all__ = [
     "ActivationCheckpointing",
     "AllReduceBatchNorm",
-    "CUDAGraphSteps",
     "DDPCommHook",
     "Diverged",
     "Elastic",
@@ -35,6 +34,7 @@ __all__ = [
     "RandomState",
     "ResumeSettings",
     "RankWatchdog",
+    "RichModelSummary",
     "RunReport",
     "StopOnNonFinite",
     "SyncBatchNorm",

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from app.callbacks import ProgressBar
+from app.callbacks import ProgressBar, RichModelSummary
 from app.defaults import DEFAULT_CALLBACKS
 from app.fashion_mnist.data import FashionMNISTDataModule
 from app.fashion_mnist.model import ImageClassifier
@@ -91,6 +91,39 @@ def test_compiled_shapes_stay_fixed_when_an_epoch_ends_on_a_smaller_batch(tmp_pa
         torch._dynamo.reset()
     assert trainer.global_step == 6
     assert [_symbolic(graph) for graph in graphs] == [False] * 4
+
+
+def test_the_model_summary_leaves_the_network_to_compile_at_the_first_step(tmp_path, monkeypatch):
+    """The default model summary runs the network on its example input (2 images) under a FLOP counter. With torch
+    2.11 that call made Dynamo skip the compiled network for good: ``cli.py fit --model.compile=true`` then trained
+    eagerly with no graph at all (issue 44, seen on an H200). The template's summary runs that call eagerly: the
+    graphs are those of the batches trained and validated (16 and 8), none for the summary's 2 images."""
+    sizes: list[int] = []
+
+    def recorder(graph, example_inputs):
+        images = [t for t in example_inputs if isinstance(t, torch.Tensor) and t.shape[1:] == (1, 28, 28)]
+        sizes.extend(t.shape[0] for t in images)
+        return graph.forward
+
+    compile_ = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, **{**kw, "backend": recorder}))
+    torch._dynamo.reset()
+    model = ImageClassifier(arch="resnet_tiny", compile=True)
+    images = torch.randn(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(1))
+    train = DataLoader(TensorDataset(images[:40], labels[:40]), batch_size=16)  # 16, 16, 8
+    val = DataLoader(TensorDataset(images[40:], labels[40:]), batch_size=16)  # 16, 8
+    summary = RichModelSummary(max_depth=2)
+    trainer = Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        callbacks=[summary], num_sanity_val_steps=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    try:
+        trainer.fit(model, train, val)
+    finally:
+        torch._dynamo.reset()
+    assert model.example_input_array.shape[0] == 2  # the summary did run the network on its example
+    assert sorted(set(sizes)) == [8, 16], sizes
 
 
 def test_flop_count_of_d2l_resnet18_matches_the_paper_figure():
