@@ -10,6 +10,7 @@ probe says why, in one command. Each variant runs in a fresh process on the same
 - ``cli``: ``cli.py fit`` as users run it (every default callback, the loggers, checkpoints);
 - ``baseline``: the same with another checkout's ``cli.py`` (``--baseline DIR``): before and after a change, in one run;
 - ``lightning``: ``cli.py fit`` with every default callback, the loggers and checkpoints off: Lightning alone;
+- ``@STRATEGY`` after ``cli`` or ``baseline``: with ``--trainer.strategy=STRATEGY`` on the one device (``cli@ddp``);
 - ``+mark`` after any of them: ``torch.compiler.cudagraph_mark_step_begin()`` at the start of every training step
   (:class:`StepMarks` in the ``cli.py`` runs). On an H200 it made Lightning's steps slower (16.0 ms of host time
   against 5.0), so the template does not mark steps.
@@ -132,7 +133,8 @@ class StepMarks(Callback):
 
 # ------------------------------------------------------------------------------------------------ the variants
 def command(variant: str, args, data_dir: Path) -> list[str]:
-    base, _, mark = variant.partition("+")
+    variant, _, mark = variant.partition("+")
+    base, _, strategy = variant.partition("@")
     if base == "plain":
         cmd = [
             sys.executable, "-m", "bench.plain", f"--arch={args.arch}", f"--batch-size={args.batch_size}",
@@ -154,6 +156,8 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
     ]  # fmt: skip
     if args.precision != "32":
         cmd.append(f"--trainer.precision={args.precision}")
+    if strategy:
+        cmd.append(f"--trainer.strategy={strategy}")
     if base == "lightning":  # Lightning alone: no default callback, logger, checkpoint, bar or summary
         from app.defaults import DEFAULT_CALLBACK_NAMES
 

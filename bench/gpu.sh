@@ -3,13 +3,15 @@
 # Lightning and torchmetrics installed; the other packages as wheels in .whl/, the real Fashion-MNIST in DATA):
 #
 #   BENCH_COMMIT=abc1234 OUT=/tmp/out DATA=$PWD/.gpu/data bash bench/gpu.sh setup probe bench
-#   BENCH_COMMIT=abc1234 OUT=/tmp/out DATA=$PWD/.gpu/data bash bench/gpu.sh setup data tests
+#   BENCH_COMMIT=abc1234 OUT=/tmp/out DATA=$PWD/.gpu/data bash bench/gpu.sh setup probe data
 #
 # Sections, in the order given:
 #   setup  a venv in /tmp/venv over python3's packages, with .whl/*.whl and this checkout (editable)
-#   probe  python -m bench.cudagraphs: where a compiled step loses its CUDA graphs (plain loop, cli.py, Lightning)
+#   probe  python -m bench.cudagraphs: where a compiled step loses its CUDA graphs (plain loop, cli.py, Lightning;
+#          the checkout in .gpu/baseline too, where there is one: git archive COMMIT | tar -x -C .gpu/baseline)
 #   bench  python -m bench --repeats 3: cli.py fit on one GPU under auto, dp and ddp against the plain loop
-#   data   the seeds' d2l settings and the full recipe on the real data (configs/d2l.yaml, fashion_mnist.yaml)
+#   data   the seeds' d2l settings and the full recipe on the real data (configs/d2l.yaml, fashion_mnist.yaml),
+#          the GPU tests beside them
 #   tests  the suite's GPU tests (tests/test_gpu.py, tests/fashion_mnist/test_gpu_recipe.py)
 # Each section has its own time limit and logs to $OUT/<section>.txt; bench/results is packed into $OUT at the end.
 set -u
@@ -42,17 +44,22 @@ for step in "$@"; do
         $PY -c 'import torch, lightning, torchmetrics, jsonargparse; print("torch", torch.__version__, "lightning", lightning.__version__, "torchmetrics", torchmetrics.__version__, "jsonargparse", jsonargparse.__version__)'
         ;;
     probe)
-        section probe 230 $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
-            --channels-last --compile-mode reduce-overhead --steps 60 --variants plain,cli,cli-mark,lightning,lightning+mark
+        variants=plain,cli,cli@ddp,lightning
+        [ -d .gpu/baseline ] && variants=$variants,baseline  # a checkout of the commit to compare with
+        section probe 190 $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
+            --channels-last --compile-mode reduce-overhead --steps 60 --variants $variants --baseline "$PWD/.gpu/baseline"
         ;;
     bench)
         section bench 150 $PY -m bench --arch resnet18 --batch-size 256 --precision bf16-mixed --channels-last \
             --strategies auto,dp,ddp --steps 40 --repeats 3 --data-dir /tmp/bench-data
         ;;
-    data)
+    data)  # the GPU tests run beside these (their epoch seconds are then not a quiet machine's)
+        section tests 150 $PY -m pytest -p no:cacheprovider -q -n 2 -rs tests/test_gpu.py \
+            tests/fashion_mnist/test_gpu_recipe.py &
         fast=(--config "$PWD/configs/gpu_fast.yaml" --model.compile_mode=reduce-overhead "--data.data_dir=$DATA")
-        section d2l 130 $PY -m bench.quickstart --config configs/d2l.yaml -- "${fast[@]}"
-        section recipe 170 $PY -m bench.quickstart --config configs/fashion_mnist.yaml -- "${fast[@]}"
+        section d2l 120 $PY -m bench.quickstart --config configs/d2l.yaml -- "${fast[@]}"
+        section recipe 150 $PY -m bench.quickstart --config configs/fashion_mnist.yaml -- "${fast[@]}"
+        wait
         ;;
     tests)
         section tests 150 $PY -m pytest -p no:cacheprovider -q -n 3 -rs tests/test_gpu.py \

@@ -135,8 +135,14 @@ class ImageClassifier(LightningModule):
             # Shapes fixed (dynamic=False): an epoch's last, smaller batch gets a graph of its own. Dynamo's
             # default would compile that second batch size as a symbolic one and then run every later step
             # through the symbolic graph (slower kernels, no CUDA graphs).
-            self.net.compile(mode=self.hparams.compile_mode, dynamic=False)
+            self.net.compile(mode=self.hparams.compile_mode, dynamic=False)  # forward(): predict, the summary
+            self._compiled_scoring = torch.compile(_scoring, mode=self.hparams.compile_mode, dynamic=False)
             self._compiled = True
+
+    def _scored(self, images: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss and the predicted classes of a batch; under ``--model.compile`` one compiled region, so that the
+        loss, its gradient and the argmax run inside the graph (and its CUDA graph) instead of as eager kernels."""
+        return getattr(self, "_compiled_scoring", _scoring)(self, images, target)
 
     @override
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,11 +157,13 @@ class ImageClassifier(LightningModule):
     # ---------------------------------------------------------------- steps: compute only
     def _step(self, batch) -> dict[str, torch.Tensor]:
         images, target = batch
-        logits = self(images)
-        loss = self.criterion(logits, target)
+        loss, preds = self._scored(images, target)
         # "loss" is what Lightning backpropagates (and divides by accumulate_grad_batches before the batch-end
-        # hooks see it); "batch_loss" is the batch's own mean loss, for logging.
-        return {"loss": loss, "batch_loss": loss.detach(), "preds": logits.argmax(dim=1), "target": target}
+        # hooks see it); "batch_loss" is the batch's own mean loss, for logging. It outlives the step (the progress
+        # bar, the logger), so when compiled it is a copy: a CUDA graph's outputs live in memory that its next
+        # replay overwrites, and a graph whose last outputs are still alive is recorded again instead of replayed.
+        batch_loss = loss.detach().clone() if getattr(self, "_compiled", False) else loss.detach()
+        return {"loss": loss, "batch_loss": batch_loss, "preds": preds, "target": target}
 
     @override
     def training_step(self, batch, batch_idx: int) -> dict[str, torch.Tensor]:
@@ -251,6 +259,11 @@ class ImageClassifier(LightningModule):
         if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
             config["monitor"] = self.spec.monitor
         return {"optimizer": optimizer, "lr_scheduler": config}
+
+
+def _scoring(model: ImageClassifier, images: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = model(images)
+    return model.criterion(logits, target), logits.argmax(dim=1)
 
 
 def check_optimizer(optimizer: OptimizerCallable | None, lr_scheduler: LRSchedulerCallable | None) -> None:

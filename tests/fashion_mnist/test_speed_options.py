@@ -11,6 +11,7 @@ import yaml
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.demos.boring_classes import BoringModel
 from lightning.pytorch.loggers import CSVLogger
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -50,6 +51,17 @@ def test_compile_keeps_parameter_names_and_dp_refuses_it(workdir, data_dir, caps
     assert not list(workdir.rglob("*.ckpt"))
 
 
+def compile_with(monkeypatch, backend) -> None:
+    """Every torch.compile of the task (``Module.compile`` and ``torch.compile``) with this backend, not inductor
+    (which would need a C compiler and minutes)."""
+    module_compile, compile_ = torch.nn.Module.compile, torch.compile
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, **kw: module_compile(self, **{**kw, "backend": backend})
+    )
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": backend}))
+    torch._dynamo.reset()
+
+
 def _symbolic(graph: torch.fx.GraphModule) -> bool:
     """Whether Dynamo compiled this graph for symbolic sizes (a SymInt input, or a tensor of a symbolic shape)."""
     for node in graph.graph.find_nodes(op="placeholder"):
@@ -73,9 +85,7 @@ def test_compiled_shapes_stay_fixed_when_an_epoch_ends_on_a_smaller_batch(tmp_pa
         graphs.append(graph)
         return graph.forward
 
-    compile_ = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, **{**kw, "backend": recorder}))
-    torch._dynamo.reset()
+    compile_with(monkeypatch, recorder)
     model = ImageClassifier(arch="resnet_tiny", compile=True)
     images = torch.randn(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))
     labels = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(1))
@@ -105,9 +115,7 @@ def test_the_model_summary_leaves_the_network_to_compile_at_the_first_step(tmp_p
         sizes.extend(t.shape[0] for t in images)
         return graph.forward
 
-    compile_ = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, **{**kw, "backend": recorder}))
-    torch._dynamo.reset()
+    compile_with(monkeypatch, recorder)
     model = ImageClassifier(arch="resnet_tiny", compile=True)
     images = torch.randn(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))
     labels = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(1))
@@ -124,6 +132,60 @@ def test_the_model_summary_leaves_the_network_to_compile_at_the_first_step(tmp_p
         torch._dynamo.reset()
     assert model.example_input_array.shape[0] == 2  # the summary did run the network on its example
     assert sorted(set(sizes)) == [8, 16], sizes
+
+
+def test_loss_and_argmax_compile_with_the_network_and_none_of_their_outputs_outlives_its_step(tmp_path, monkeypatch):
+    """--model.compile=true compiles the network, the loss and the argmax as one region (issue 44: fewer eager
+    kernels per step than the plain loop, which computes its loss eagerly), and no output of that region is alive
+    when the next batch starts: with CUDA graphs (``compile_mode=reduce-overhead``) the next replay overwrites
+    those outputs, and a graph whose outputs are still alive is recorded again instead of replayed. The logged and
+    displayed loss is a copy; this fails when it is a view of the region's output."""
+    graphs: list[torch.fx.GraphModule] = []
+    outputs: list[StorageWeakRef] = []  # the storages of the compiled calls' outputs since the last batch started
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+
+        def run(*args):
+            result = graph.forward(*args)
+            outputs.extend(StorageWeakRef(t.untyped_storage()) for t in result if isinstance(t, torch.Tensor))
+            return result
+
+        return run
+
+    class Alive(Callback):
+        counts: list[int] = []
+
+        def _count(self) -> None:
+            self.counts.append(sum(not ref.expired() for ref in outputs))
+            outputs.clear()
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self._count()
+
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            self._count()
+
+    compile_with(monkeypatch, backend)
+    model = ImageClassifier(arch="resnet_tiny", compile=True)
+    images = torch.randn(56, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 10, (56,), generator=torch.Generator().manual_seed(1))
+    train = DataLoader(TensorDataset(images[:32], labels[:32]), batch_size=16)
+    val = DataLoader(TensorDataset(images[32:], labels[32:]), batch_size=16)  # 16, 8
+    alive = Alive()
+    trainer = Trainer(
+        accelerator="cpu", max_epochs=2, logger=CSVLogger(tmp_path), log_every_n_steps=1, enable_checkpointing=False,
+        enable_progress_bar=False, callbacks=[alive], num_sanity_val_steps=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    try:
+        trainer.fit(model, train, val)
+    finally:
+        torch._dynamo.reset()
+    assert len(alive.counts) == 8 and alive.counts[1:] == [0] * 7  # 2 x (2 training and 2 validation batches)
+    assert len(graphs) == 3  # training at 16, evaluation at 16 and 8
+    for graph in graphs:
+        called = {str(node.target) for node in graph.graph.nodes if node.op in ("call_function", "call_method")}
+        assert "argmax" in called and any("cross_entropy" in name for name in called), called
 
 
 def test_flop_count_of_d2l_resnet18_matches_the_paper_figure():
