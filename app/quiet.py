@@ -58,6 +58,12 @@ def install() -> None:
     # Under 16-mixed/bf16-mixed the parameters are stored in float32, which is what the summary then assumes: the
     # size it prints is right, the warning (every bf16-mixed run) is not.
     warnings.filterwarnings("ignore", message=r"Precision (16|bf16)-mixed is not supported by the model summary")
+    # ddp's gradient_as_bucket_view (app/strategies/ddp.py) under channels_last: the stem's weight, [C, 1, 3, 3],
+    # has a dimension of size 1, whose stride DDP's bucket view and autograd choose differently. Both layouts are the
+    # same memory order; torch says so on CUDA ("not an error"). Only that shape (one input channel) is silenced.
+    warnings.filterwarnings(
+        "ignore", message=r"(?s)Grad strides do not match bucket view strides.*grad\.sizes\(\) = \[\d+, 1, "
+    )
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     # An advertisement for a cloud service, printed by every Trainer.
     rank_zero.addFilter(_DropMessage("💡 Tip: For seamless cloud"))
