@@ -110,6 +110,10 @@ PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
         "torch._dynamo.eval_frame:OptimizedModule",
         "is this torch.compile's wrapper",
     ),
+    # Dynamo's counters (graphs compiled, guard failures, graph breaks, CUDA graphs skipped): torch has no public
+    # view of what torch.compile did, which the run report prints at the end of training.
+    ("app/callbacks/run_report.py", "counters"): ("torch._dynamo.utils", "graphs, graph breaks, CUDA graph skips"),
+    ("app/callbacks/run_report.py", "guard_failures"): ("torch._dynamo.utils", "recompiles"),
     # torch's common base of BatchNorm1d/2d/3d and SyncBatchNorm: isinstance over every BatchNorm at once.
     ("app/callbacks/activation_checkpointing.py", "_BatchNorm"): ("torch.nn.modules.batchnorm", "every BatchNorm"),
     ("app/callbacks/sync_batchnorm.py", "_BatchNorm"): ("torch.nn.modules.batchnorm", "every BatchNorm"),

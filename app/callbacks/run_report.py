@@ -2,22 +2,30 @@
 
 Each epoch prints one line, like d2l's::
 
-    epoch 3 | train loss 0.4120 | val acc 0.8712 | 12.3 s | 4,567 samples/s | 2 x cuda (ddp)
+    epoch 3 | train loss 0.4120 | val acc 0.8712 | 12.3 s | 4,567 samples/s | 3.7 ms/step | 2 x cuda (ddp)
 
 (the train loss is the epoch's mean loss per sample, whatever ``accumulate_grad_batches``; the validation figure
 is the metric the task's ``spec.monitor`` names; samples are what ``spec.samples`` counts: images, sequences, ...;
 a data module's ``epoch_note`` ends every line, e.g. ``| SYNTHETIC data, not Fashion-MNIST``: see app/task.py)
 
-and the end of training prints a table with one row per device: optimizer steps, mean time per optimizer step,
+``ms/step`` is the epoch's median time from one optimizer step's first batch to the next's (between validations): on a
+GPU between CUDA events, read at the epoch's end, so nothing waits inside the epoch. A regression in the step
+itself (a graph that stopped replaying, a new synchronisation) shows there, while the seconds also count start-up,
+compilation and validation.
+
+The end of training prints a table with one row per device: optimizer steps, mean time per optimizer step,
 samples/s and peak memory (``torch.cuda.max_memory_allocated`` on GPUs, the process's peak resident memory on CPU).
 Under ``dp`` device 0 holds the master weights and gathers every output, so its peak memory stands above the
-others'; under ``ddp`` the rows are even.
+others'; under ``ddp`` the rows are even. Where ``torch.compile`` ran during training, a line follows with what it
+did: graphs compiled, recompiles, graph breaks and CUDA graphs skipped (``--model.compile=true`` compiles one graph
+per batch shape and grad mode; more recompiles or any graph break is worth a look).
 """
 
 from __future__ import annotations
 
 import resource
 import time
+from statistics import median
 
 import torch
 import torch.distributed as dist
@@ -29,6 +37,7 @@ from app.strategies.parallelism import parallelism
 from app.task import batch_samples, epoch_note, spec_of
 
 _FIELDS = ("samples", "seconds", "steps", "peak_bytes")
+_MAX_MARKS = 4096  # step starts timed per epoch (the median of the first 4,096 steps stands for the epoch)
 
 
 class RunReport(Callback):
@@ -41,12 +50,15 @@ class RunReport(Callback):
         self._loss_sum = 0.0
         self._run = dict.fromkeys(_FIELDS, 0.0)
         self._global_step = 0  # trainer.global_step when the last training batch ended
+        self._marks: list = []  # each training batch's start (perf_counter, or a CUDA event); None: a pause
+        self._compiled_before: dict[str, int] = {}
 
     # ---------------------------------------------------------------- timing the training batches
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._run = dict.fromkeys(_FIELDS, 0.0)
         self._global_step = trainer.global_step  # a resumed run's steps count from here
+        self._compiled_before = compile_counts()
         for device in _devices(trainer):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -56,6 +68,18 @@ class RunReport(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._epoch_start = self._started = time.perf_counter()
         self._train_seconds, self._samples, self._loss_sum = 0.0, 0, 0.0
+        self._marks = []
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        # an optimizer step's first batch (with accumulate_grad_batches=k a step is k batches)
+        if len(self._marks) < _MAX_MARKS and batch_idx % trainer.accumulate_grad_batches == 0:
+            if pl_module.device.type == "cuda":
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                self._marks.append(event)
+            else:
+                self._marks.append(time.perf_counter())
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
@@ -67,6 +91,8 @@ class RunReport(Callback):
         self._global_step = trainer.global_step
 
     def _pause(self, pl_module: LightningModule) -> None:
+        if self._marks and self._marks[-1] is not None:
+            self._marks.append(None)  # no step spans a validation
         if self._started is not None:
             if pl_module.device.type == "cuda":  # count the kernels still queued, not just their launch
                 torch.cuda.synchronize(pl_module.device)
@@ -113,9 +139,11 @@ class RunReport(Callback):
                 " | ".join([*parts, "resumed after its training", f"{devices} ({strategy_name(trainer)})", *note]),
             )
             return
+        step_ms = _median_interval_ms(self._marks)
         parts += [
             f"{seconds:.1f} s",
             f"{samples / max(self._train_seconds, 1e-9):,.0f} samples/s",
+            *([f"{step_ms:.1f} ms/step"] if step_ms is not None else []),
             f"{devices} ({strategy_name(trainer)})",
             *note,
         ]
@@ -132,6 +160,9 @@ class RunReport(Callback):
         rows = self.device_rows(trainer, pl_module)
         if trainer.is_global_zero and rows:
             console_print(trainer, device_table(rows, f"Run report: {strategy_name(trainer)}, {len(rows)} device(s)"))
+        compiled = {k: v - self._compiled_before.get(k, 0) for k, v in compile_counts().items()}
+        if trainer.is_global_zero and compiled.get("graphs"):
+            console_print(trainer, compile_line(compiled))
 
     def device_rows(self, trainer: Trainer, pl_module: LightningModule) -> list[dict]:
         """One dict per device (all ranks' numbers, gathered; call on every rank)."""
@@ -185,6 +216,50 @@ def device_table(rows: list[dict], title: str):
             f"{r['peak_mib']:,.0f}",
         )
     return table
+
+
+def compile_counts() -> dict[str, int]:
+    """What ``torch.compile`` has done in this process so far (Dynamo's counters: no public API has them)."""
+    try:
+        from torch._dynamo.utils import counters, guard_failures
+    except ImportError:  # pragma: no cover - a torch without Dynamo
+        return {}
+    return {
+        "graphs": counters["stats"]["unique_graphs"],
+        # each recompile of a function lists a failed guard per graph it had ("0/1: ..."): its graphs before it
+        "recompiles": sum(len({reason.partition(":")[0] for reason in reasons}) for reasons in guard_failures.values()),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+    }
+
+
+def compile_line(counts: dict[str, int]) -> str:
+    """``torch.compile: 4 graphs, 2 recompiles, 0 graph breaks, 0 CUDA graphs skipped``"""
+
+    def n(count: int, what: str) -> str:
+        return f"{count} {what}" + ("" if count == 1 else "s")
+
+    return "torch.compile: " + ", ".join(
+        [
+            n(counts["graphs"], "graph"),
+            n(counts["recompiles"], "recompile"),
+            n(counts["graph_breaks"], "graph break"),
+            f"{counts['cudagraph_skips']} CUDA graphs skipped",
+        ]
+    )
+
+
+def _median_interval_ms(marks: list) -> float | None:
+    """The median time between consecutive step starts (``None`` marks a pause), in milliseconds."""
+    events = [mark for mark in marks if isinstance(mark, torch.cuda.Event)]
+    if events:
+        events[-1].synchronize()  # done already where the epoch's end waited for the device; cheap if so
+    intervals = []
+    for a, b in zip(marks, marks[1:], strict=False):
+        if a is None or b is None:
+            continue
+        intervals.append(a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1000)
+    return median(intervals) if intervals else None
 
 
 def _batch_loss(trainer: Trainer, pl_module: LightningModule, outputs) -> torch.Tensor:

@@ -3,6 +3,8 @@
 import collections
 import copy
 import csv
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
-from app.callbacks import ProgressBar, RichModelSummary
+from app.callbacks import ProgressBar, RichModelSummary, RunReport
+from app.callbacks.run_report import _median_interval_ms
 from app.defaults import DEFAULT_CALLBACKS
 from app.fashion_mnist.data import FashionMNISTDataModule
 from app.fashion_mnist.model import ImageClassifier
@@ -186,6 +189,44 @@ def test_loss_and_argmax_compile_with_the_network_and_none_of_their_outputs_outl
     for graph in graphs:
         called = {str(node.target) for node in graph.graph.nodes if node.op in ("call_function", "call_method")}
         assert "argmax" in called and any("cross_entropy" in name for name in called), called
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_the_run_report_shows_the_step_time_and_what_torch_compile_did(compiled, tmp_path, monkeypatch, caplog):
+    """Issue 44: a run says its median step time in every epoch line and, when compiled, how many graphs Dynamo
+    compiled, its recompiles, graph breaks and skipped CUDA graphs, so a step that stopped replaying or a graph
+    compiled at every step shows without a profiler. Two epochs of batches 16, 16, 8 and validation's 16, 8: four
+    graphs (training and evaluation at each size), three recompiles (each a guard that failed: a size, the grad
+    mode), no graph break."""
+    compile_with(monkeypatch, lambda graph, example_inputs: graph.forward)
+    model = ImageClassifier(arch="resnet_tiny", compile=compiled)
+    images = torch.randn(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(1))
+    train = DataLoader(TensorDataset(images[:40], labels[:40]), batch_size=16)  # 16, 16, 8
+    val = DataLoader(TensorDataset(images[40:], labels[40:]), batch_size=16)  # 16, 8
+    trainer = Trainer(
+        accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[RunReport()], num_sanity_val_steps=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    try:
+        with caplog.at_level(logging.INFO):  # the report's lines go through Lightning's rank-zero logger
+            trainer.fit(model, train, val)
+    finally:
+        torch._dynamo.reset()
+    out = "\n".join(record.getMessage() for record in caplog.records)
+    epochs = re.findall(r"^epoch \d .*? \| [\d,]+ samples/s \| ([\d.]+) ms/step \| 1 x cpu", out, re.MULTILINE)
+    assert len(epochs) == 2 and all(float(ms) > 0 for ms in epochs), out
+    compile_lines = [line for line in out.splitlines() if line.startswith("torch.compile:")]
+    if compiled:
+        assert compile_lines == ["torch.compile: 4 graphs, 3 recompiles, 0 graph breaks, 0 CUDA graphs skipped"], out
+    else:
+        assert compile_lines == [], out
+
+
+def test_the_step_time_is_the_median_between_step_starts_and_skips_the_pauses():
+    """Marks are step starts (seconds on CPU), ``None`` a validation between them: no interval spans it."""
+    assert _median_interval_ms([0.0, 0.010, 0.022, 0.052, None, 9.0, 9.012]) == pytest.approx(12.0)
+    assert _median_interval_ms([0.0, None, 1.0]) is None and _median_interval_ms([]) is None
 
 
 def test_flop_count_of_d2l_resnet18_matches_the_paper_figure():
