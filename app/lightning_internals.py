@@ -76,7 +76,7 @@ PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
         "lightning.pytorch.strategies:DDPStrategy",
         "DDP's launcher for the model-parallel strategies' processes (super()._configure_launcher())",
     ),
-    ("app/strategies/launch.py", "_strategy"): (
+    ("app/strategies/mpirun.py", "_strategy"): (
         "lightning.pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher",
         "the launcher's strategy, which ResultsLauncher (above) inherits and mpirun's launcher reads",
     ),

@@ -503,7 +503,7 @@ def test_a_horovod_rank_killed_in_its_save_leaves_what_the_launcher_says(moment,
 
 
 def launch_folders_of(pid: int) -> list[Path]:
-    """The self-launch folders (app.strategies.launch) of the launcher process ``pid``."""
+    """The self-launch folders (app.strategies.mpirun) of the launcher process ``pid``."""
     found = []
     for folder in Path(tempfile_dir()).glob("horovod-launch-*"):
         with contextlib.suppress(OSError):

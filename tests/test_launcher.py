@@ -9,7 +9,7 @@ from app.cli import _rank_has_own_gpu
 from app.errors import UserError
 from app.launcher import first_on_node, launcher_ranks, one_gpu_per_rank, slurm_tasks_per_node
 from app.strategies.horovod import HorovodStrategy
-from app.strategies.launch import mpirun_command
+from app.strategies.mpirun import mpirun_command
 from tests.conftest import ROOT
 
 LAUNCH_VARS = (
@@ -104,7 +104,7 @@ def test_leftover_ranks_are_gone_before_the_launcher_reads_what_they_wrote(tmp_p
     import time
 
     from app.strategies._reaper import rank_pids, running
-    from app.strategies.launch import end_leftover_ranks
+    from app.strategies.mpirun import end_leftover_ranks
 
     rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "app.strategies._mpi_worker"])
     try:

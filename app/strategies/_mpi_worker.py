@@ -1,4 +1,4 @@
-"""Entry point of each rank started by :class:`app.strategies.launch.MPIRunLauncher` (not for direct use)."""
+"""Entry point of each rank started by :class:`app.strategies.mpirun.MPIRunLauncher` (not for direct use)."""
 
 import multiprocessing.spawn
 import os
@@ -13,7 +13,7 @@ from app.callbacks.preemption import catch_early_signals
 from app.errors import Diverged, Preempted, UserError
 from app.generators import set_generator_states
 from app.launcher import launcher_ranks
-from app.strategies.launch import DIVERGED, PREEMPTED, USER_ERROR, process_alive
+from app.strategies.mpirun import DIVERGED, PREEMPTED, USER_ERROR, process_alive
 
 
 def main(job_path: str, result_path: str) -> None:

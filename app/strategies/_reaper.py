@@ -1,6 +1,6 @@
 """Cleans up after a horovod self-launch whose launcher is gone (run as a script, not for direct use).
 
-:class:`app.strategies.launch.MPIRunLauncher` starts this next to mpirun, in a session of its own, with a pipe on its
+:class:`app.strategies.mpirun.MPIRunLauncher` starts this next to mpirun, in a session of its own, with a pipe on its
 standard input that only the launcher holds. The pipe reaches end-of-file when the launcher exits, however it exits
 (SIGKILL included). A launcher that finished has removed its launch folder already, and this does nothing. Otherwise
 mpirun got SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and passes it to the ranks, which stop with a checkpoint: this

@@ -58,7 +58,7 @@ from app.reductions import (
     ReduceOp,
     is_power_of_two,
 )
-from app.strategies.launch import MPILaunchEnvironment, MPIRunLauncher
+from app.strategies.mpirun import MPILaunchEnvironment, MPIRunLauncher
 
 Backend = Literal["auto", "horovod", "mpi"]
 

@@ -1,4 +1,5 @@
-"""MPI launches: who started us, where ranks meet, and how the horovod strategy starts itself under mpirun.
+"""The MPI launcher: who started us under mpirun, where ranks meet, and how the horovod strategy starts itself under
+mpirun. (Which launcher started a process, any launcher, is app/launcher.py's question.)
 
 Horovod users start jobs with ``horovodrun -np 4 ...`` or ``mpirun -np 4 ...``; every rank is then a process that
 MPI started. This module reads ranks from mpi4py when it is installed, else from the variables that the common
