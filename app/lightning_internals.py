@@ -94,6 +94,11 @@ PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
         "lightning.pytorch.strategies:DDPStrategy",
         "broadcast_buffers off in a world of one",
     ),
+    # Where DDPStrategy wraps the model (configure_ddp calls it): overridden to wrap on the current CUDA stream.
+    ("app/strategies/ddp.py", "_setup_model"): (
+        "lightning.pytorch.strategies:DDPStrategy",
+        "DDP built on the forwards' stream, as torch advises for compiled backward passes",
+    ),
     # ddp_spawn is DDPStrategy with _start_method "spawn"; its strategy_name attribute says "ddp" for both.
     ("app/callbacks/run_report.py", "_start_method"): (
         "lightning.pytorch.strategies:DDPStrategy",

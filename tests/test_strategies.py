@@ -134,6 +134,35 @@ def test_strategies_are_registered_under_their_old_names():
     assert isinstance(Trainer(strategy="dp", accelerator="cpu", devices=2, logger=False).strategy, DataParallelStrategy)
 
 
+@pytest.mark.parametrize(("world_size", "broadcast"), [(1, False), (2, True)])
+def test_the_template_ddp_wraps_with_bucket_views_and_broadcasts_buffers_only_between_ranks(
+    world_size, broadcast, tmp_path, monkeypatch, recwarn
+):
+    """``ddp`` and ``ddp_spawn`` are the template's DDPStrategy (app/strategies/ddp.py): gradients as bucket views,
+    and no buffer broadcast in a world of one, where it copies rank 0's buffers onto themselves (issue 44: ddp on one
+    GPU was 0.865x single-device). Between ranks the broadcast stays: every rank validates with rank 0's statistics.
+    Their training is the single-device run's: test_strategy_trains_like_one_device."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from app.strategies import DDPStrategy
+
+    for name in ("ddp", "ddp_spawn"):
+        assert StrategyRegistry[name]["strategy"] is DDPStrategy
+    strategy = StrategyRegistry.get("ddp")
+    strategy.parallel_devices = [torch.device("cpu")]
+    monkeypatch.setattr(DDPStrategy, "world_size", property(lambda self: world_size))
+    strategy.model = TinyClassifier()
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        strategy.configure_ddp()
+    finally:
+        torch.distributed.destroy_process_group()
+    assert isinstance(strategy.model, DistributedDataParallel)
+    assert strategy.model.gradient_as_bucket_view and strategy.model.will_sync_module_buffers() is broadcast
+    assert not [w for w in recwarn if "buffers" in str(w.message)]  # torch 2.14 deprecates broadcast_buffers
+
+
 def test_unknown_strategy_lists_every_name_ours_included(workdir, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run_cli("fit", "--config", str(TINY_CONFIG), "--trainer.strategy=horovd")
