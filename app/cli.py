@@ -57,7 +57,7 @@ from app.resume import (
     check_loggerless_root,
 )
 from app.run_dir import check_writable, claim_versions, release_if_unused, release_made_folders
-from app.spawn_signals import pass_sigterm_to_spawned_ranks, stopped_exit_code
+from app.signals import pass_sigterm_to_spawned_ranks, stopped_exit_code
 from app.strategies.horovod import HorovodStrategy
 from app.task import spec_of
 

@@ -32,7 +32,7 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
 9. :func:`saving_alone` — ``Trainer.save_checkpoint`` on a broken process group: the strategy's barrier and its
    rank-0-only save, replaced for the duration of one save (:func:`saves_alone` tells checkpoint hooks so).
 10. :func:`spawned_ranks_launcher` — ``ddp_spawn``'s launcher (the exact class ``_MultiProcessingLauncher``) in the
-   launching process, whose SIGTERM the template passes on to the ranks it spawned (:mod:`app.spawn_signals`).
+   launching process, whose SIGTERM the template passes on to the ranks it spawned (:mod:`app.signals`).
 11. :func:`free_strategy_name` — Lightning's accelerator connector refuses any strategy registered under a name
    its own ``FSDPStrategy`` registered (``"fsdp"``) unless the accelerator is a GPU; the template's ``fsdp``
    (app/strategies/fsdp.py) runs on CPU too, so the name leaves that list when the template takes it over.

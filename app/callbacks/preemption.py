@@ -46,6 +46,7 @@ from app.lightning_internals import (
     take_over_local_ranks,
     validation_follows,
 )
+from app.signals import catch_early_signals, take_early_signals
 
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
 
@@ -66,17 +67,6 @@ def _how_to_continue() -> str:
     if torchrun_restarts_possible():
         return "torchrun resumes from it when it restarts the job; after the job ended, the same command continues it"
     return "Continue with the same command plus --ckpt_path last"
-
-
-_early_signals: list[int] = []  # caught by catch_early_signals before a Preemption callback was installed
-
-
-def catch_early_signals(signals=(signal.SIGTERM, signal.SIGINT)) -> None:
-    """Remember a stop signal that comes before the trainer runs, instead of dying of it: the horovod self-launch's
-    ranks spend seconds importing and unpickling the job before Preemption installs its handlers, and the launcher
-    forwards a SIGTERM/SIGINT as soon as a rank has written its pid. Preemption acts on it once installed."""
-    for signum in signals:
-        signal.signal(signum, lambda signum, frame: _early_signals.append(signum))
 
 
 class Preemption(Callback):
@@ -102,7 +92,7 @@ class Preemption(Callback):
     def __setstate__(self, state: dict) -> None:
         # Unpickled in a rank that a launcher started (ddp_spawn's, the horovod self-launch's): a stop signal that
         # comes before the handlers are installed is remembered and acted on then, not the end of the rank (the
-        # launching process passes SIGTERM on as soon as it gets it: app/spawn_signals.py).
+        # launching process passes SIGTERM on as soon as it gets it: app/signals.py).
         self.__dict__.update(state)
         if threading.current_thread() is threading.main_thread():
             catch_early_signals(self.signals)
@@ -139,8 +129,7 @@ class Preemption(Callback):
         if not self._previous:
             for signum in self.signals:
                 self._previous[signum] = signal.signal(signum, self._handle)
-            early = [signum for signum in _early_signals if signum in self.signals]
-            _early_signals.clear()
+            early = take_early_signals(self.signals)
             if early and not self.received:  # sent while the rank was starting: acted on now
                 self._handle(early[0], None)
 

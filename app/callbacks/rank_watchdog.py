@@ -46,7 +46,7 @@ from app.elastic import restarts_left
 from app.errors import UserError
 from app.lightning_internals import take_over_local_ranks
 from app.quiet import store_warnings_off
-from app.strategies.mpirun import process_alive
+from app.signals import process_alive
 from app.strategies.parallelism import parallelism
 
 EXIT_CODE = 1

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import app  # noqa: F401  (registers the strategies before anything is unpickled)
 from app.atomic import write_text
-from app.callbacks.preemption import catch_early_signals
 from app.errors import Diverged, Preempted, UserError
 from app.generators import set_generator_states
 from app.launcher import launcher_ranks
-from app.strategies.mpirun import DIVERGED, PREEMPTED, USER_ERROR, process_alive
+from app.signals import catch_early_signals, process_alive
+from app.strategies.mpirun import DIVERGED, PREEMPTED, USER_ERROR
 
 
 def main(job_path: str, result_path: str) -> None:

@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,7 @@ from app.errors import Diverged, Preempted, UserError
 from app.generators import generator_states
 from app.launcher import launcher_ranks
 from app.lightning_internals import ResultsLauncher, resume_from
+from app.signals import StopSignals, process_alive
 from app.strategies._reaper import kill_ranks, rank_pids
 
 
@@ -280,7 +280,7 @@ class MPIRunLauncher(ResultsLauncher):
                 cmd += ["-x", name]
         cmd += ["-x", MPI_LAUNCH_DIR, sys.executable, "-m", "app.strategies._mpi_worker", str(job)]
         cmd.append(str(workdir / "result.pkl"))
-        returncode, signum = stops.run(cmd, env, workdir)
+        returncode, signum = stops.run(cmd, env, lambda: rank_pids(workdir), lambda: end_leftover_ranks(workdir))
         if not signum and (workdir / PREEMPTED).exists():  # the ranks were signalled directly
             signum = int((workdir / PREEMPTED).read_text())
         if signum:
@@ -377,21 +377,6 @@ def remove_stale_launch_folders() -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
 def main_module_preparation() -> dict:
     """What a rank needs to import the caller's ``__main__`` as ``__mp_main__``: multiprocessing's own recipe, the
     caller's ``sys.argv`` included (a script that parses its arguments at import sees its own, as under spawn)."""
@@ -421,65 +406,6 @@ def stop_reaper(reaper: subprocess.Popen) -> None:
         reaper.stdin.close()
     with contextlib.suppress(subprocess.TimeoutExpired):
         reaper.wait(timeout=10)
-
-
-def _die_with_parent() -> None:
-    """In mpirun, before exec: the kernel sends it SIGTERM when the launching process dies (Linux only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-class StopSignals:
-    """SIGTERM/SIGINT to the launching process, noted for the whole launch (each mpirun, and the time before and
-    between them) and passed on to the ranks by :meth:`run`, also to ranks that write their pid only after the signal
-    came: a rank takes seconds to start, and a signal sent to it before it has a handler would be lost."""
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self._sent: set[tuple[int, int]] = set()  # (rank pid, index into received) already delivered
-        self._previous: dict = {}
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.signal(s, self._note) for s in (signal.SIGTERM, signal.SIGINT)}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-
-    def _note(self, signum, frame) -> None:  # only noted here: run() sends, so no signal goes out twice
-        self.received.append(signum)
-
-    def _forward(self, workdir: Path) -> None:
-        for pid in rank_pids(workdir) if self.received else ():
-            for index, signum in enumerate(self.received):
-                if (pid, index) not in self._sent:
-                    with contextlib.suppress(OSError):  # a rank that has just exited
-                        os.kill(pid, signum)
-                        self._sent.add((pid, index))
-
-    def run(self, cmd: list[str], env: dict, workdir: Path) -> tuple[int, int]:
-        """Run mpirun, passing signals on to its ranks. Returns (exit code, the first signal received or 0)."""
-        process = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
-        )
-        try:
-            while True:
-                try:
-                    returncode = process.wait(timeout=0.2)
-                    break
-                except subprocess.TimeoutExpired:
-                    self._forward(workdir)
-        finally:
-            if process.poll() is None:
-                process.kill()
-            end_leftover_ranks(workdir)
-        return returncode, (self.received[0] if self.received else 0)
 
 
 def end_leftover_ranks(workdir: Path) -> None:

@@ -1,0 +1,171 @@
+"""Stop signals across processes, in one place: a launching process passes them on to its ranks, and a rank that is
+still starting keeps them for :class:`~app.callbacks.Preemption`.
+
+- ``ddp_spawn``: :func:`pass_sigterm_to_spawned_ranks` and :func:`stopped_exit_code`, below.
+- The horovod strategy's self-launch under ``mpirun`` (app/strategies/mpirun.py): :class:`StopSignals` notes
+  SIGTERM/SIGINT for the whole launch and passes them on to the ranks as they appear.
+- A rank started by a launcher: :func:`catch_early_signals` from its first line, and :func:`take_early_signals` when
+  Preemption installs its handlers.
+- :func:`process_alive`: whether a rank (or the launcher) still runs.
+
+``ddp_spawn``'s launching process. Under ``ddp_spawn`` the process a user (or ``docker stop``, SLURM, a ``kill``)
+signals is not a rank: it spawned the ranks and waits for them. Python's default action ended it at once, and its
+ranks trained on, orphaned, to the end of the run, with no checkpoint taken at the stop (seen: 30 epochs finished
+after the SIGTERM). Here the launching process passes SIGTERM on to every rank, whose
+:class:`~app.callbacks.Preemption` finishes the step, writes ``last.ckpt`` and exits 143, and then exits 143
+itself, without torch's traceback for a rank that exited non-zero.
+
+SIGINT is left as it is: Ctrl-C in a terminal reaches every process of the foreground group, the ranks included, and
+passing it on would make it a second signal (which stops at once, without a checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterable
+
+from app.lightning_internals import spawned_ranks_launcher
+
+# ------------------------------------------------------------------------------------------------ ddp_spawn's launcher
+_received: list[int] = []  # the signals passed on in this process
+
+
+def pass_sigterm_to_spawned_ranks(trainer) -> None:
+    """Before ``trainer.fit`` (or validate, test, predict) in the launching process of a ``ddp_spawn`` run."""
+    launcher = spawned_ranks_launcher(trainer.strategy)
+    if launcher is None or threading.current_thread() is not threading.main_thread():
+        return
+
+    def forward(signum, frame) -> None:
+        _received.append(signum)
+        # torch's "Terminating process N via signal SIGTERM" when the first rank exits: the other one is exiting too
+        logging.getLogger("torch.multiprocessing.spawn").addFilter(
+            lambda record: "Terminating process" not in record.getMessage()
+        )
+        launcher.kill(signum)  # every rank still running: each finishes its step, saves and exits 143
+
+    signal.signal(signal.SIGTERM, forward)
+
+
+def stopped_exit_code(err: BaseException) -> int | None:
+    """143 when ``err`` is torch's report that a spawned rank ended after a SIGTERM passed on here, else None. A rank
+    that exited 143 said where it saved; one that the signal ended outside training (its interpreter's first seconds,
+    before it could take the signal, or its last ones) wrote no checkpoint at the stop, which one line says."""
+    if not _received or type(err).__name__ != "ProcessExitedException":  # torch.multiprocessing's
+        return None
+    code = 128 + signal.SIGTERM
+    if getattr(err, "exit_code", None) == code:
+        return code
+    if getattr(err, "signal_name", None) == "SIGTERM":
+        print(
+            "SIGTERM: a ddp_spawn rank ended on it outside training (while starting, or finishing after its last "
+            "checkpoint), so none was written at the stop; the checkpoints on disk are whole, as they were written",
+            file=sys.stderr,
+        )
+        return code
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ a starting rank
+_early_signals: list[int] = []  # caught by catch_early_signals before a Preemption callback was installed
+
+
+def catch_early_signals(signals=(signal.SIGTERM, signal.SIGINT)) -> None:
+    """Remember a stop signal that comes before the trainer runs, instead of dying of it: the horovod self-launch's
+    ranks spend seconds importing and unpickling the job before Preemption installs its handlers, and the launcher
+    forwards a SIGTERM/SIGINT as soon as a rank has written its pid. Preemption acts on it once installed."""
+    for signum in signals:
+        signal.signal(signum, lambda signum, frame: _early_signals.append(signum))
+
+
+def take_early_signals(signals) -> list[int]:
+    """The stop signals among ``signals`` caught so far by :func:`catch_early_signals`, forgotten once taken."""
+    early = [signum for signum in _early_signals if signum in signals]
+    _early_signals.clear()
+    return early
+
+
+# ------------------------------------------------------------------------------------------------ mpirun's ranks
+
+
+def _die_with_parent() -> None:
+    """In mpirun, before exec: the kernel sends it SIGTERM when the launching process dies (Linux only)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class StopSignals:
+    """SIGTERM/SIGINT to the launching process, noted for the whole launch (each mpirun, and the time before and
+    between them) and passed on to the ranks by :meth:`run`, also to ranks that write their pid only after the signal
+    came: a rank takes seconds to start, and a signal sent to it before it has a handler would be lost."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._sent: set[tuple[int, int]] = set()  # (rank pid, index into received) already delivered
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._note) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+
+    def _note(self, signum, frame) -> None:  # only noted here: run() sends, so no signal goes out twice
+        self.received.append(signum)
+
+    def _forward(self, pids: Callable[[], Iterable[int]]) -> None:
+        for pid in pids() if self.received else ():
+            for index, signum in enumerate(self.received):
+                if (pid, index) not in self._sent:
+                    with contextlib.suppress(OSError):  # a rank that has just exited
+                        os.kill(pid, signum)
+                        self._sent.add((pid, index))
+
+    def run(
+        self, cmd: list[str], env: dict, pids: Callable[[], Iterable[int]], cleanup: Callable[[], None]
+    ) -> tuple[int, int]:
+        """Run ``cmd`` (mpirun), passing signals on to the processes ``pids()`` names (its ranks, which appear one by
+        one), then ``cleanup()``. Returns (exit code, the first signal received or 0)."""
+        process = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
+        )
+        try:
+            while True:
+                try:
+                    returncode = process.wait(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    self._forward(pids)
+        finally:
+            if process.poll() is None:
+                process.kill()
+            cleanup()
+        return returncode, (self.received[0] if self.received else 0)
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
