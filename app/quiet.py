@@ -69,6 +69,9 @@ def install() -> None:
     rank_zero.addFilter(_DropMessage("💡 Tip: For seamless cloud"))
     # The template's default RichModelSummary is there on purpose; Lightning notes that it adds no second one.
     rank_zero.addFilter(_DropMessage("Trainer already configured with model summary callbacks"))
+    # torch.compile on a CPU (inductor) looks for a CUDA toolkit and warns where one is installed but no GPU is: it
+    # compiles C++ for the CPU, and the line tells a CPU user nothing they can act on.
+    logging.getLogger("torch.utils.cpp_extension").addFilter(_DropMessage("No CUDA runtime is found"))
 
 
 _c10_lock = threading.Lock()

@@ -9,6 +9,7 @@ forked from a warm interpreter (tests/warm.py), which is the same run less 7 CPU
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import pty
 import re
@@ -213,6 +214,16 @@ def test_a_yaml_callbacks_list_keeps_the_default_callbacks(tmp_path):
         "ProgressBar, RichModelSummary, LearningRateMonitor, ModelCheckpoint, RunReport, PredictionWriter, "
         "Elastic, Preemption, RandomState, ResumeSettings, StopOnNonFinite"
     ]
+
+
+def test_compiling_on_a_cpu_does_not_warn_of_a_missing_cuda_runtime(caplog):
+    """``--model.compile=true`` on a CPU machine with a CUDA toolkit installed printed torch's "No CUDA runtime is
+    found, using CUDA_HOME=..." (inductor looks for the toolkit): app/quiet.py drops that line, and only that one."""
+    log = logging.getLogger("torch.utils.cpp_extension")
+    with caplog.at_level(logging.WARNING):
+        log.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local")
+        log.warning("another warning")
+    assert [record.getMessage() for record in caplog.records] == ["another warning"]
 
 
 # ------------------------------------------------------------------------------------------------ CLI traps

@@ -17,8 +17,9 @@ The end of training prints a table with one row per device: optimizer steps, mea
 samples/s and peak memory (``torch.cuda.max_memory_allocated`` on GPUs, the process's peak resident memory on CPU).
 Under ``dp`` device 0 holds the master weights and gathers every output, so its peak memory stands above the
 others'; under ``ddp`` the rows are even. Where ``torch.compile`` ran during training, a line follows with what it
-did: graphs compiled, recompiles, graph breaks and CUDA graphs skipped (``--model.compile=true`` compiles one graph
-per batch shape and grad mode; more recompiles or any graph break is worth a look).
+did in the fit (its sanity check included): graphs compiled, recompiles, graph breaks and CUDA graphs skipped
+(``--model.compile=true`` compiles one graph per batch shape and grad mode; more recompiles or any graph break is
+worth a look).
 """
 
 from __future__ import annotations
@@ -55,10 +56,14 @@ class RunReport(Callback):
 
     # ---------------------------------------------------------------- timing the training batches
     @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":  # the sanity check's validation compiles too: its graphs count
+            self._compiled_before = compile_counts()
+
+    @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._run = dict.fromkeys(_FIELDS, 0.0)
         self._global_step = trainer.global_step  # a resumed run's steps count from here
-        self._compiled_before = compile_counts()
         for device in _devices(trainer):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
