@@ -4,14 +4,15 @@ Lightning wraps the model in ``DistributedDataParallel`` on any number of device
 every gradient into a communication bucket and back after the all-reduce, and broadcast every BatchNorm buffer
 from rank 0 before each forward. On one GPU that was 0.865x single-device speed (issue 44). The template's ``ddp``
 and ``ddp_spawn`` differ from Lightning's in two defaults, both given way to a value the run sets itself
-(``--trainer.strategy=ddp --trainer.strategy.broadcast_buffers=true`` or a ``DDPStrategy(...)`` in Python):
+(``--trainer.strategy=app.strategies.DDPStrategy --trainer.strategy.broadcast_buffers=true``, or
+``DDPStrategy(...)`` in Python):
 
 - ``gradient_as_bucket_view=True``: the gradients are views of the buckets, so nothing is copied in or back.
   The values are the same; an optimizer still sees ``param.grad`` (what it must not do is ``grad.detach_()``).
 - no buffer broadcast (``broadcast_buffers=False``; ``forward_sync_buffers=False`` from torch 2.14) in a world of one
-  process only: there the broadcast copies rank 0's buffers onto
-  themselves. With several ranks it stays on, since without it each rank would validate with its own BatchNorm
-  statistics (rank 0's, which the checkpoint holds, are the same either way).
+  process only: there the broadcast copies rank 0's buffers onto themselves. With several ranks it stays on, since
+  without it each rank would validate with its own BatchNorm statistics (rank 0's, which the checkpoint holds, are
+  the same either way).
 
 And on a GPU the model is wrapped on the current CUDA stream. Lightning wraps it on a new side stream (the recipe
 for capturing a whole DDP step in one CUDA graph by hand). Under ``torch.compile(mode="reduce-overhead")`` that made
