@@ -14,6 +14,9 @@ probe says why, in one command. Each variant runs in a fresh process on the same
 - ``+mark`` after any of them: ``torch.compiler.cudagraph_mark_step_begin()`` at the start of every training step
   (:class:`StepMarks` in the ``cli.py`` runs). On an H200 it made Lightning's steps slower (16.0 ms of host time
   against 5.0), so the template does not mark steps.
+- ``+profile`` after a ``cli.py`` variant: the timed epoch under ``cProfile`` (:class:`StepProfile`); where the host's
+  time goes, written beside the logs as ``<variant>.profile.txt`` (the step times of that variant include the
+  profiler's own cost).
 
 For each: the per-step median, p90 and max of the host time (between step starts, ``perf_counter``) and of the
 device time (CUDA events around each step, read after the run: nothing waits inside it), over the steps after the
@@ -58,6 +61,7 @@ MECHANISMS = {
     "graph breaks": r"\bGraph break",
 }
 STEP_TIMES = "BENCH_STEP_TIMES"  # where StepTimes writes (an environment variable: cli.py's callbacks take no path)
+PROFILE = "BENCH_PROFILE"  # where StepProfile writes
 
 
 # ------------------------------------------------------------------------------------------------ in the runs
@@ -131,9 +135,38 @@ class StepMarks(Callback):
         torch.compiler.cudagraph_mark_step_begin()
 
 
+class StepProfile(Callback):
+    """The last training epoch under ``cProfile``; the top functions by own and by cumulative time are written to
+    ``$BENCH_PROFILE`` when it ends."""
+
+    def __init__(self) -> None:
+        self._profile = None
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == trainer.max_epochs - 1:
+            import cProfile
+
+            self._profile = cProfile.Profile()
+            self._profile.enable()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self._profile is None:
+            return
+        self._profile.disable()
+        import io
+        import pstats
+
+        text = io.StringIO()
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(self._profile, stream=text).sort_stats(key).print_stats(35)
+        Path(os.environ[PROFILE]).write_text(text.getvalue())
+        self._profile = None
+
+
 # ------------------------------------------------------------------------------------------------ the variants
 def command(variant: str, args, data_dir: Path) -> list[str]:
-    variant, _, mark = variant.partition("+")
+    variant, *flags = variant.split("+")
+    mark, profile = "mark" in flags, "profile" in flags
     base, _, strategy = variant.partition("@")
     if base == "plain":
         cmd = [
@@ -166,14 +199,17 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
         cmd += ["--trainer.enable_model_summary=false"]
     else:
         cmd += ["--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=50"]
-    return cmd + (["--trainer.callbacks+=bench.cudagraphs.StepMarks"] if mark else [])
+    cmd += ["--trainer.callbacks+=bench.cudagraphs.StepMarks"] if mark else []
+    return cmd + (["--trainer.callbacks+=bench.cudagraphs.StepProfile"] if profile else [])
 
 
 def run_variant(variant: str, args, data_dir: Path, logs: Path) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         times = Path(workdir) / "steps.json"
-        env = {**os.environ, "TORCH_LOGS": TORCH_LOGS, STEP_TIMES: str(times), "PYTHONPATH": str(ROOT)}
         log = logs / f"{variant}.log"
+        profile = logs / f"{variant}.profile.txt"
+        env = {**os.environ, "TORCH_LOGS": TORCH_LOGS, STEP_TIMES: str(times), PROFILE: str(profile)}
+        env["PYTHONPATH"] = str(ROOT)
         with log.open("w") as out:
             result = subprocess.run(
                 command(variant, args, data_dir),

@@ -13,6 +13,7 @@
 #   data   the seeds' d2l settings and the full recipe on the real data (configs/d2l.yaml, fashion_mnist.yaml),
 #          the GPU tests beside them
 #   tests  the suite's GPU tests (tests/test_gpu.py, tests/fashion_mnist/test_gpu_recipe.py)
+# Settings: VARIANTS (the probe's, comma-separated), PROBE_LIMIT, BENCH_LIMIT, TESTS_LIMIT (seconds per section).
 # Each section has its own time limit and logs to $OUT/<section>.txt; bench/results is packed into $OUT at the end.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -43,15 +44,15 @@ for step in "$@"; do
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
         $PY -c 'import torch, lightning, torchmetrics, jsonargparse; print("torch", torch.__version__, "lightning", lightning.__version__, "torchmetrics", torchmetrics.__version__, "jsonargparse", jsonargparse.__version__)'
         ;;
-    probe)
-        variants=plain,cli,cli@ddp,lightning
+    probe)  # VARIANTS: see bench/cudagraphs.py (+profile: where the host's time goes)
+        variants=${VARIANTS:-plain,cli,cli@ddp,lightning}
         [ -d .gpu/baseline ] && variants=$variants,baseline  # a checkout of the commit to compare with
-        section probe 190 $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
+        section probe "${PROBE_LIMIT:-190}" $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
             --channels-last --compile-mode reduce-overhead --steps 60 --variants $variants --baseline "$PWD/.gpu/baseline"
         ;;
     bench)
-        section bench 150 $PY -m bench --arch resnet18 --batch-size 256 --precision bf16-mixed --channels-last \
-            --strategies auto,dp,ddp --steps 40 --repeats 3 --data-dir /tmp/bench-data
+        section bench "${BENCH_LIMIT:-240}" $PY -m bench --arch resnet18 --batch-size 256 --precision bf16-mixed \
+            --channels-last --strategies auto,dp,ddp --steps 100 --repeats 3 --data-dir /tmp/bench-data
         ;;
     data)  # the GPU tests run beside these (their epoch seconds are then not a quiet machine's)
         section tests 150 $PY -m pytest -p no:cacheprovider -q -n 2 -rs tests/test_gpu.py \
@@ -62,7 +63,7 @@ for step in "$@"; do
         wait
         ;;
     tests)
-        section tests 150 $PY -m pytest -p no:cacheprovider -q -n 3 -rs tests/test_gpu.py \
+        section tests "${TESTS_LIMIT:-150}" $PY -m pytest -p no:cacheprovider -q -n 3 -rs tests/test_gpu.py \
             tests/fashion_mnist/test_gpu_recipe.py
         ;;
     *) echo "unknown section $step" ;;
