@@ -162,15 +162,13 @@ def make_loader(
       resume (at any world size, an elastic restart included) trains each remaining sample of the epoch once;
     - evaluation: sharded over the ranks without the padding ``DistributedSampler`` adds (each sample counts once).
 
-    ``options`` go to ``DataLoader`` (``collate_fn``, ``num_workers``, ...); ``pin_memory`` defaults to True on CUDA
-    with workers (a background thread pins their batches), and to False without: pinning each batch in the training
-    loop's own thread allocates page-locked memory, which stalls the step (issue 44).
+    ``options`` go to ``DataLoader`` (``collate_fn``, ``num_workers``, ...); ``pin_memory`` defaults to True on CUDA.
     """
     strategy = trainer.strategy if trainer is not None else None
     batch_size = batch_size * devices_per_batch(strategy)
     shard = getattr(strategy, "distributed_sampler_kwargs", None) or {}
     on_cuda = strategy is not None and strategy.root_device.type == "cuda"
-    options.setdefault("pin_memory", on_cuda and options.get("num_workers", 0) > 0)
+    options.setdefault("pin_memory", on_cuda)
     # the workers' base seed comes from this generator, not torch's global one (app/callbacks/random_state.py)
     options.setdefault("generator", torch.Generator().manual_seed(seed))
     if options.get("num_workers", 0) > 0:
