@@ -27,6 +27,23 @@ class LoseNodeAtStep(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class HangNodeAtStep(Callback):
+    """After ``step``, the worker whose agent was started with ``LOSE_THIS_NODE=1`` stops (SIGSTOP) its torchrun agent
+    and itself, after writing both pids to ``$HANG_PIDS`` (for the test to kill): nothing closes their connections,
+    as when a link is cut or a host hangs, so the other node's collectives wait instead of failing."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if trainer.global_step == self.step and os.environ.get("LOSE_THIS_NODE") == "1" and first_start:
+            with open(os.environ["HANG_PIDS"], "w") as f:
+                f.write(f"{os.getppid()} {os.getpid()}\n")
+            os.kill(os.getppid(), signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
 class LoseRankAtStep(Callback):
     """After ``step``, rank ``rank`` of the horovod strategy's first mpirun launch SIGKILLs itself (a rank lost)."""
 

@@ -64,7 +64,7 @@ class RecordSamples(Callback):
 
     def on_before_backward(self, trainer, pl_module, loss) -> None:
         # here, not at the batch's end: a stop (Preemption) ends the run in the last batch's on_train_batch_end
-        loss = float(loss) * trainer.accumulate_grad_batches  # Lightning divides it by the accumulation
+        loss = float(loss.detach()) * trainer.accumulate_grad_batches  # Lightning divides it by the accumulation
         line = {"step": self._step, "start": self._start, "loss": loss, "samples": self._samples, "time": time.time()}
         self._losses.write(json.dumps(line) + "\n")
         self._losses.flush()

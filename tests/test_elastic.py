@@ -5,12 +5,14 @@ c10d rendezvous), and Lightning's own ddp launcher. Which samples each rank trai
 (tests/record_samples.py), independently of the loader's own bookkeeping.
 """
 
+import contextlib
 import csv
 import json
 import logging
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -174,6 +176,51 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     kill = max(r["time"] for r in recorded if r["world"] == 2 and r["rank"] == 1)
     first_after = min(r["time"] for r in recorded if r["world"] == 1)
     print(f"\nfrom the lost node's last batch to the first batch after the restart: {first_after - kill:.1f} s")
+
+
+@pytest.mark.slow
+def test_a_node_that_hangs_mid_epoch_leaves_the_survivor_saving_from_its_watchdog(tmp_path):
+    """After step 3 one node's agent and worker stop (SIGSTOP): nothing closes their connections, as when a link is
+    cut, so the survivor's gloo collective waits for good instead of failing. Its watchdog judges the node lost after
+    --watchdog.timeout, writes the state after step 3 from its own thread (the training thread is stuck), and ends
+    the process; torchrun restarts it at world size 1 from that state, each sample once."""
+    root, records, pids = tmp_path / "runs", tmp_path / "records", tmp_path / "hung.pids"
+    port = find_free_network_port()
+    hang = {"class_path": "tests.lose_node.HangNodeAtStep", "init_args": {"step": 3}}
+    args = fit_args(root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(hang))
+    args.append("--watchdog.timeout=6")
+    survivor = start_agent(tmp_path, "survivor", port, args, is_host=True, last_call=5)
+    time.sleep(1)
+    hung = start_agent(tmp_path, "hung", port, args, is_host=False, LOSE_THIS_NODE="1", HANG_PIDS=str(pids))
+    try:
+        survivor.wait(timeout=250)
+    finally:
+        for pid in pids.read_text().split() if pids.is_file() else ():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        for process in (survivor, hung):
+            process.kill()
+    output = (tmp_path / "survivor.log").read_text()
+    assert survivor.returncode == 0, output[-4000:]
+    assert pids.is_file()  # the other node did hang
+    before_restart = output.split("torchrun restart 1")[0]
+    assert re.search(r"lost rank 1: rank 1 has not answered for \d+ s\. Saving this rank's state first", output)
+    assert re.search(r"\[rank 0\] Saved the state after step 3 to \S+last\.ckpt; the launcher restarts", output)
+    assert "Traceback" not in before_restart, before_restart[-3000:]  # one line each, from the watchdog thread
+    assert "torchrun restart 1 of at most 2: 1 process(es) on 1 node(s), resuming from" in output
+    assert "Traceback" not in output.split("torchrun restart 1")[1]
+
+    [run] = (root / "lightning_logs").glob("version_*")
+    final = load_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert final["global_step"] == EPOCHS * SAMPLES // (2 * BATCH)  # the steps of an unbroken run at global batch 8
+    recorded = read_records(records)
+    assert_each_sample_once_per_epoch(recorded, resumed_at_step=3)
+    in_flight = [r["step"] for r in recorded if r["world"] == 2 and r["rank"] == 0 and r["step"] >= 3]
+    assert len(in_flight) <= 1  # done again: at most the step in flight on the survivor
+
+    stopped = max(r["time"] for r in recorded if r["world"] == 2 and r["rank"] == 1)
+    first_after = min(r["time"] for r in recorded if r["world"] == 1)
+    print(f"\nfrom the hung node's last batch to the first batch after the restart: {first_after - stopped:.1f} s")
 
 
 @pytest.mark.slow

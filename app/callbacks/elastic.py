@@ -11,11 +11,13 @@ On by default. Three things, each only where it applies:
   counted in batches per process (``limit_train_batches``, ``limit_val_batches``, ``val_check_interval`` as whole
   numbers) are rescaled to cover what they covered on the devices they were given for, or refused in one line when
   the new count of devices cannot share them evenly. One line says what changed.
-- **A failure under a restarting launcher** (torchrun ``--max-restarts`` > 0): when a rank dies, the others'
-  next collective fails. All ranks hold the same weights and optimizer state after every step, so each survivor
-  writes ``last.ckpt`` at that moment, with the loop and loader position of the last completed optimizer step
-  (recorded after every step: a few integers), and exits non-zero; the launcher restarts the job, which resumes
-  from it. Only the step in flight is done again. Nothing is written per step. A failure in a validation (or right
+- **A failure under a restarting launcher** (torchrun ``--max-restarts`` > 0): when a rank dies, the others' next
+  collective fails. All ranks hold the same weights and optimizer state after every step, so each survivor writes
+  ``last.ckpt`` at that moment, with the loop and loader position of the last completed optimizer step (recorded
+  after every step: a few integers), and exits non-zero; the launcher restarts the job, which resumes from it. Only
+  the step in flight is done again. Nothing is written per step. Where no collective fails (a cut link or a hung
+  host closes no connection, and gloo then waits for good), the rank watchdog's verdict has the state written from
+  its own thread, with the training thread held at its next optimizer step. A failure in a validation (or right
   before one) saves the state at that validation's start, with the checkpoint callbacks' state from before it: the
   restart validates the epoch again. The global batch kept is always the one the run started with (``first`` in
   every checkpoint; ``elastic.json`` for a restart that finds no state at all).
@@ -33,6 +35,7 @@ import csv
 import re
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -135,6 +138,15 @@ class Elastic(Callback):
         self._changes: list[str] = []  # what this start changed to keep the global batch, said in one line each
         self._step_row: dict | None = None  # the row the loop logs for the last step (step_row)
         self._saving_row: dict | None = None
+        # Under a restarting launcher: held from each optimizer step until its position is recorded, and by a save
+        # from the watchdog thread, which then holds the training thread at its next step (save_from_watchdog)
+        self._step_lock: threading.Lock | None = None
+        self._in_step = False
+        self._saving: threading.Lock | None = None  # one save after a failure, from whichever thread comes first
+
+    def __getstate__(self) -> dict:
+        # the horovod self-launch pickles the trainer into its ranks; locks do not pickle (and are made per start)
+        return {**self.__dict__, "_step_lock": None, "_in_step": False, "_saving": None}
 
     # ---------------------------------------------------------------- the run's shape, saved and restored
     @override
@@ -243,10 +255,11 @@ class Elastic(Callback):
             "counts": self._counts,
             "first": {k: first[k] for k in ("devices", "device_batch", "accumulate")},  # the run's, as it started
         }
-        if self.restartable:  # a lost peer's verdict waits until this rank saved (on_exception)
+        if self.restartable:  # a lost peer's verdict waits until this rank saved (on_exception), or saves itself
+            self._step_lock, self._in_step, self._saving = threading.Lock(), False, threading.Lock()
             for watchdog in trainer.callbacks:
                 if isinstance(watchdog, RankWatchdog):
-                    watchdog.expect_save()
+                    watchdog.expect_save(save_now=lambda wait: self.save_from_watchdog(trainer, wait))
         if self._changes:
             for logger in trainer.loggers:  # hparams.yaml (and TensorBoard's hparams) say it beside the module's lr
                 logger.log_hyperparams({"elastic_changes": list(self._changes)})
@@ -388,7 +401,27 @@ class Elastic(Callback):
 
     # ---------------------------------------------------------------- a failure the launcher restarts from
     @override
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        # After the backward (and its gradient all-reduce), before the weights change: from here until the step's
+        # position is recorded (on_train_batch_end) a save from the watchdog thread waits; once one has begun, this
+        # blocks until the watchdog ends the process.
+        if self._step_lock is not None and not self._in_step:
+            self._step_lock.acquire()
+            self._in_step = True
+
+    def _step_recorded(self) -> None:
+        if self._in_step:
+            self._in_step = False
+            self._step_lock.release()
+
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        try:
+            self._record_step(trainer)
+        finally:
+            self._step_recorded()
+
+    def _record_step(self, trainer) -> None:
         if self.restartable and (self._last_step is None or self._last_step[0] != trainer.global_step):
             # The position after an optimizer step, where Lightning's own step checkpoints are taken: the loops' and
             # the loader's counters, in new dicts (~0.2 ms on a slow 2-core CPU, once per optimizer step). Before a
@@ -419,13 +452,29 @@ class Elastic(Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if not self.restartable or isinstance(exception, UserError | KeyboardInterrupt | SystemExit):
             return  # SystemExit: a preemption, which saved its own checkpoint, or a deliberate stop
+        self._step_recorded()  # a step that raised: the watchdog thread must not wait for it
         watchdogs = [c for c in trainer.callbacks if isinstance(c, RankWatchdog)]
         reported = False
-        try:
-            reported = self._save_after_failure(trainer, exception)
-        finally:  # the rank watchdog kept this process alive for the save: it may end it now
-            for watchdog in watchdogs:
-                watchdog.save_over(reported)
+        # A save that the watchdog thread began first (it took the lock) ends the process before this goes on.
+        with self._saving if self._saving is not None else contextlib.nullcontext():
+            try:
+                reported = self._save_after_failure(trainer, exception)
+            finally:  # the rank watchdog kept this process alive for the save: it may end it now
+                for watchdog in watchdogs:
+                    watchdog.save_over(reported)
+
+    def save_from_watchdog(self, trainer, wait: float) -> bool:
+        """Write the state of the last step from the rank watchdog's thread: a peer is lost and no collective failed
+        (a cut link or a hung host: gloo waits for good, and the training thread with it). The training thread is held
+        at its next optimizer step meanwhile, so the weights and the optimizer's state stay those of the recorded
+        step. False when the training thread is saving already, or has been inside an optimizer step for ``wait``
+        seconds (hung there: its weights may be half updated), and nothing is written here."""
+        if self._saving is None or not self._saving.acquire(blocking=False):
+            return False
+        if not self._step_lock.acquire(timeout=wait):
+            self._saving.release()
+            return False
+        return self._save_after_failure(trainer, None)  # the process ends after it, with both locks held
 
     def _drop_untracked_checkpoints(self, trainer) -> None:
         """Checkpoints written since the validation that the restart does again (its epoch checkpoint, written on
@@ -443,8 +492,9 @@ class Elastic(Callback):
                     if path.stat().st_mtime >= self._validation_started:
                         path.unlink()
 
-    def _save_after_failure(self, trainer, exception: BaseException) -> bool:
-        """Write ``last.ckpt`` with the state after the last completed step; True when a line said what happened."""
+    def _save_after_failure(self, trainer, exception: BaseException | None) -> bool:
+        """Write ``last.ckpt`` with the state after the last completed step; True when a line said what happened.
+        ``exception``: the failed collective's, or None from the watchdog thread (whose line said what failed)."""
         if trainer.state.fn != "fit" or self._last_step is None or trainer.checkpoint_callback is None:
             return False
         step, loops = self._last_step
@@ -455,9 +505,10 @@ class Elastic(Callback):
             written = trainer.checkpoint_callback.last_model_path
             since = f"the last checkpoint written ({written})" if written and Path(written).is_file() else "the start"
             part = "a stage's layers" if parallelism(trainer.strategy).stages > 1 else "a shard"
+            failure = f"{type(exception).__name__} after step {step}" if exception else f"After step {step}"
             say(
                 trainer,
-                f"[rank {trainer.global_rank}] {type(exception).__name__} after step {step}: under "
+                f"[rank {trainer.global_rank}] {failure}: under "
                 f"{trainer.strategy.strategy_name} each rank holds {part} of the state and the lost rank's is gone, "
                 f"so none is saved here; a restart goes on from {since}",
             )
@@ -496,7 +547,9 @@ class Elastic(Callback):
             finally:
                 self._saving_loops = self._saving_row = None
         self.saved_after_failure = str(path)
-        reason = textwrap.shorten(str(exception), 200, placeholder=" ...")  # at a word, not "the remote w."
+        reason = ""  # from the watchdog thread, its own line said what failed
+        if exception is not None:  # shortened at a word, not "the remote w."
+            reason = f"{type(exception).__name__}: {textwrap.shorten(str(exception), 200, placeholder=' ...')}. "
         then = (
             "the launcher restarts the job from there"
             if restarts_left()
@@ -504,8 +557,7 @@ class Elastic(Callback):
         )
         say(
             trainer,
-            f"[rank {trainer.global_rank}] {type(exception).__name__}: {reason}. Saved the state after step {step} "
-            f"to {path}; {then}",
+            f"[rank {trainer.global_rank}] {reason}Saved the state after step {step} to {path}; {then}",
         )
         return True
 

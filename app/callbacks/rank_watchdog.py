@@ -16,8 +16,10 @@ line naming the rank, kills this rank's own child ranks (rank 0 of a ``ddp`` lau
 watches them in place of Lightning's observer, which would SIGKILL every process, itself included, without a word)
 and exits with code 1; it cannot raise into a main thread that is blocked inside a
 collective. Under a restarting launcher the :class:`~app.callbacks.Elastic` callback first saves this survivor's
-state when its next collective fails: the verdict waits for that (up to ``timeout`` seconds), so a survivor that was
-computing when the peer died (a long backward before the first gradient bucket) is not ended before it could save.
+state. A peer that died closed its connections, so this rank's next collective fails and the training thread saves;
+the verdict gives it ``2 * interval`` seconds to begin. A cut link or a hung host closes nothing, and gloo then waits
+for good: the verdict has the state written from its own thread (the training thread held at its next optimizer
+step, so the state stays that of the last step) and ends the process, a few seconds after the verdict.
 Under ``fsdp`` and ``pipeline`` no survivor holds the whole state: the verdict then promises no save, and the Elastic
 callback says that none is written. A stop signal that came first (torchrun's agent sends the other workers SIGTERM
 when one dies) announced a checkpoint if every rank finished the step; the verdict says it is not written.
@@ -221,6 +223,7 @@ class RankWatchdog(Callback):
         self._children: list = []
         self._checkpointer = None
         self._save: threading.Event | None = None  # set when the survivor's save (expect_save) is over
+        self._save_now = None  # writes the survivor's state from the verdict's thread (expect_save)
         self.before_exit: list = []  # callables run before the verdict ends the process (the CLI's run folder)
         self._save_reported = False
         self._strategy = None  # what the verdict's line says depends on it (sharded or not)
@@ -228,7 +231,7 @@ class RankWatchdog(Callback):
 
     def __getstate__(self) -> dict:
         # The horovod self-launch pickles the trainer into its ranks: the launching process's cleanups stay there.
-        return {**self.__dict__, "before_exit": []}
+        return {**self.__dict__, "before_exit": [], "_save_now": None}
 
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -255,14 +258,21 @@ class RankWatchdog(Callback):
             _say(f"{lost} Stopping this rank (exit {EXIT_CODE}).")
             self._end()
         if save is not None and not save.is_set():
-            # The main thread may be computing (no collective yet) or inside the collective that is failing: its
-            # exception reaches the Elastic callback, which writes the state of the last step (or, under fsdp and
-            # pipeline, says why it cannot: the lost rank's part of the state is gone) and says what next.
-            when = f"when its next collective fails, within {self.timeout:g} s"
+            # A peer that died closed its connections: the collective the training thread is in, or its next one,
+            # fails, and the Elastic callback writes the state of the last step (or, under fsdp and pipeline, says
+            # why it cannot: the lost rank's part of the state is gone) and says what next. A cut link or a hung
+            # host closes nothing: gloo waits for good, and the state is written from this thread instead.
             if self._sharded():
-                _say(f"{lost} Stopping this rank {when}")
+                _say(f"{lost} Stopping this rank when its next collective fails, within {self.timeout:g} s")
             else:
-                _say(f"{lost} Saving this rank's state first ({when})")
+                _say(f"{lost} Saving this rank's state first")
+                if not save.wait(2 * self.interval) and self._save_now is not None:
+                    try:
+                        if self._save_now(self.timeout):
+                            self.save_over(reported=True)
+                    except Exception as err:  # noqa: BLE001 - say it, and end as without a save
+                        _say(f"error: [rank {me}] could not save its state: {type(err).__name__}: {err}")
+                        self.save_over(reported=False)
             if not save.wait(self.timeout):
                 lost = (
                     f"error: [rank {me}] {'' if self._sharded() else 'could not save its state: '}no collective "
@@ -299,12 +309,14 @@ class RankWatchdog(Callback):
                 cleanup()
         os._exit(EXIT_CODE)  # the main thread may be stuck in a collective: it cannot be unwound
 
-    def expect_save(self) -> None:
+    def expect_save(self, save_now=None) -> None:
         """Called before training by a callback that writes this rank's state when a peer is lost (the
         :class:`~app.callbacks.Elastic` callback under a restarting launcher): a verdict then lets this process live
-        until :meth:`save_over`, or ``timeout`` seconds."""
+        until :meth:`save_over`, or ``timeout`` seconds. ``save_now(wait)``, where given, writes the state from the
+        verdict's thread when no collective failed soon after it; True when it wrote it (or said why not)."""
         self._save = threading.Event()
         self._save_reported = False
+        self._save_now = save_now
 
     def save_over(self, reported: bool) -> None:
         """The save that :meth:`expect_save` announced is done, or will not happen; ``reported``: the callback

@@ -17,9 +17,10 @@ and ``ddp_spawn`` differ from Lightning's in two defaults, both given way to a v
 And on a GPU the model is wrapped on the current CUDA stream. Lightning wraps it on a new side stream (the recipe
 for capturing a whole DDP step in one CUDA graph by hand). Under ``torch.compile(mode="reduce-overhead")`` that made
 every backward run into AccumulateGrad nodes of another stream, which torch warns "may incur unnecessary
-synchronization and break CUDA graph capture"; ``cli.py fit --trainer.strategy=ddp`` compiled ran 2.8x slower
-than one device on an H200 (issue 44). torch's own advice is to build DDP on the stream of the forwards. (Measured on an H200 at e35ee52: the
-warning is gone and the device time per step fell from 8.04 to 7.02 ms; the host's 10.8 ms, and so the gap, stay.)
+synchronization and break CUDA graph capture"; ``cli.py fit --trainer.strategy=ddp`` compiled ran 2.8x slower than
+one device on an H200 (issue 44). torch's own advice is to build DDP on the stream of the forwards. (Measured on an
+H200 at e35ee52: the warning is gone and the device time per step fell from 8.04 to 7.02 ms; the host's 10.8 ms, and
+so the gap, stay.)
 
 ``static_graph`` stays off: a task whose steps use different parameters (a fork's branch, a frozen layer) would
 fail with it. Lightning's own class stays available by class path (``lightning.pytorch.strategies.DDPStrategy``).
