@@ -7,6 +7,7 @@ self-launch's ``TEMPLATE_MPI_RESTART`` 0) and in the process it names, so the re
 import os
 import signal
 import time
+from pathlib import Path
 
 from lightning.pytorch import Callback
 
@@ -42,6 +43,25 @@ class HangNodeAtStep(Callback):
                 f.write(f"{os.getppid()} {os.getpid()}\n")
             os.kill(os.getppid(), signal.SIGSTOP)
             os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class PauseAtStep(Callback):
+    """On the launcher's first start, after ``step``, every rank writes ``paused-<rank>`` into ``folder`` and waits
+    (up to ``timeout`` s) for a file ``go`` there: the test does something to the nodes (cuts a link) at a known
+    step, however fast the steps are."""
+
+    def __init__(self, step: int, folder: str, timeout: float = 120) -> None:
+        self.step, self.folder, self.timeout = step, Path(folder), timeout
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if trainer.global_step != self.step or not first_start:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / f"paused-{trainer.global_rank}").touch()
+        deadline = time.monotonic() + self.timeout
+        while not (self.folder / "go").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 class LoseRankAtStep(Callback):

@@ -367,3 +367,79 @@ def test_the_loopback_check_leaves_single_machine_and_named_interface_runs_alone
     check_reachable(1, "cpu")  # one node
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     check_reachable(2, "cpu")
+
+
+# ------------------------------------------------------------------------------------------------ a cut link
+ELASTIC_DOC = ROOT / "docs" / "elastic.md"
+CUT_SAMPLES, CUT_BATCH = 48, 4  # 6 steps an epoch on two nodes; the link is cut after step CUT_AT
+CUT_AT = 3
+
+
+def elastic_doc_command() -> tuple[dict, list[str]]:
+    """docs/elastic.md's command (its first ```bash block): the environment it sets, and its words."""
+    text = ELASTIC_DOC.read_text()
+    block = re.search(r"```bash\n(.*?)```", text[text.index("## The command") :], re.S)
+    words = shlex.split(block.group(1).replace("\\\n", " "))
+    env = {}
+    while re.match(r"^[A-Z_]+=", words[0]):
+        name, value = words.pop(0).split("=", 1)
+        env[name] = value
+    return env, words
+
+
+@pytest.mark.slow
+def test_a_link_cut_mid_epoch_leaves_the_survivor_training_alone_from_the_last_step(nodes, tmp_path):
+    """docs/elastic.md's command on nodes ``a`` (the rendezvous host) and ``b``, at its default settings. After step
+    3 of the first epoch b's link is cut: nothing reaches a from b again, no reset either, so a's gloo collective
+    waits for good. a's rank watchdog judges b lost, a saves the state after step 3 from the watchdog's thread, and
+    torchrun restarts it at world size 1: it goes on from there, each sample once, and its first step comes within
+    60 s of the cut."""
+    from tests.record_samples import read_records
+    from tests.test_elastic import assert_each_sample_once_per_epoch
+
+    root, records, marks = tmp_path / "runs", tmp_path / "records", tmp_path / "marks"
+    doc_env, words = elastic_doc_command()
+    assert words[0] == "torchrun" and "--rdzv-endpoint=HOST:29400" in words, words
+    words = replace(words, "--nproc_per_node=4", "--nproc_per_node=1")
+    words = replace(words, "--rdzv-endpoint=HOST:29400", "--rdzv-endpoint=a:29400")
+    words = replace(words, "configs/fashion_mnist.yaml", "tests/tiny.yaml")
+    words = replace(words, "--trainer.default_root_dir=/shared/runs", f"--trainer.default_root_dir={root}")
+    record = {"class_path": "tests.record_samples.RecordSamples", "init_args": {"folder": str(records)}}
+    pause = {"class_path": "tests.lose_node.PauseAtStep", "init_args": {"step": CUT_AT, "folder": str(marks)}}
+    words += [
+        *(f"--data.train_size={CUT_SAMPLES}", f"--data.batch_size={CUT_BATCH}", "--trainer.limit_train_batches=null"),
+        *(f"--trainer.max_epochs={EPOCHS}", "--trainer.accelerator=cpu"),
+        *("--trainer.callbacks+=" + json.dumps(record), "--trainer.callbacks+=" + json.dumps(pause)),
+    ]
+    logs = {node.name: tmp_path / f"{node.name}.log" for node in nodes.nodes}
+    processes = {
+        node.name: node.popen(words, log=logs[node.name], env=node_env(**doc_env), cwd=ROOT) for node in nodes.nodes
+    }
+    deadline = time.monotonic() + 180
+    while len(list(marks.glob("paused-*"))) < 2 and time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes.values()):
+            break
+        time.sleep(0.1)
+
+    def tails() -> str:
+        return "\n".join(f"--- {name}:\n{log.read_text()[-3000:]}" for name, log in logs.items())
+
+    assert len(list(marks.glob("paused-*"))) == 2, tails()
+    nodes.cut()
+    cut = time.time()
+    (marks / "go").touch()
+    wait_all({"a": processes["a"]}, logs, timeout=240)
+    output = logs["a"].read_text()
+    assert processes["a"].returncode == 0, tails()
+    saved = re.search(r"\[rank \d\] Saved the state after step (\d+) to \S+last\.ckpt; the launcher restarts", output)
+    assert saved and int(saved.group(1)) == CUT_AT, tails()
+    assert re.search(r"lost rank \d: .*(has not answered|stopped answering)", output), tails()
+    assert "torchrun restart 1 of at most 3: 1 process(es) on 1 node(s), resuming from" in output, tails()
+    [run] = (root / "lightning_logs").glob("version_*")
+    final = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
+    assert final["global_step"] == EPOCHS * CUT_SAMPLES // (2 * CUT_BATCH)  # an unbroken two-node run's steps
+    recorded = read_records(records)
+    assert_each_sample_once_per_epoch(recorded, resumed_at_step=CUT_AT)
+    first_after = min(r["time"] for r in recorded if r["world"] == 1)
+    print(f"\nfrom the cut to the first step at world size 1: {first_after - cut:.1f} s")
+    assert first_after - cut < 60, tails()

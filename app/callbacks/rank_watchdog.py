@@ -199,7 +199,7 @@ def what_next(last: Path | None) -> str:
 
 
 class RankWatchdog(Callback):
-    def __init__(self, timeout: float = 60.0, interval: float | None = None) -> None:
+    def __init__(self, timeout: float = 15.0, interval: float | None = None) -> None:
         """
         Args:
             timeout: Seconds without a heartbeat after which a rank on another host counts as lost. A rank on
@@ -209,7 +209,7 @@ class RankWatchdog(Callback):
         # Below a second, a busy machine's store calls alone outlast the timeout: healthy ranks were judged lost.
         if not math.isfinite(timeout) or timeout < MIN_TIMEOUT:
             raise UserError(
-                f"--watchdog.timeout={timeout:g}: use a number of seconds >= {MIN_TIMEOUT:g} (default 60); a rank is "
+                f"--watchdog.timeout={timeout:g}: use a number of seconds >= {MIN_TIMEOUT:g} (default 15); a rank is "
                 "judged lost after this long without a heartbeat"
             )
         if interval is not None and (not math.isfinite(interval) or interval <= 0 or interval > timeout):
