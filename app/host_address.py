@@ -104,3 +104,12 @@ def check_reachable(num_nodes: int, accelerator: str) -> None:
         "this multi-node run cannot reach it (they would fail with 'Connection refused' and this rank would wait "
         f"in init_process_group forever); set {fix}, or map {host!r} to that address in /etc/hosts"
     )
+
+
+def answers(host: str, port: int, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to ``host:port`` opens within ``timeout`` seconds."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False

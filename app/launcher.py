@@ -121,3 +121,73 @@ def first_on_node() -> bool:
     node."""
     ranks = launcher_ranks()
     return (ranks[2] if ranks is not None else int(os.environ.get("LOCAL_RANK") or 0)) == 0
+
+
+@dataclass(frozen=True)
+class TorchrunAgent:
+    pid: int
+    endpoint: tuple[str, int] | None  # where it meets the other nodes' agents (the rendezvous), when it says
+
+    @property
+    def where(self) -> str:
+        return f"{self.endpoint[0]}:{self.endpoint[1]}" if self.endpoint else "?"
+
+
+def torchrun_agent() -> TorchrunAgent | None:
+    """This worker's torchrun agent, from ``/proc`` (Linux): its nearest ancestor process that runs torchrun (within
+    three levels: a wrapper such as ``sh -c`` may stand between), and the rendezvous endpoint its command line gives.
+    None when torchrun did not start this process, or where ``/proc`` cannot tell."""
+    if torchrun_job() is None:
+        return None
+    pid = os.getppid()
+    for _ in range(3):
+        args = _cmdline(pid)
+        if not args:
+            return None
+        if any(os.path.basename(a) == "torchrun" or a == "torch.distributed.run" for a in args[:3]):
+            return TorchrunAgent(pid, _rendezvous_endpoint(args))
+        pid = _parent_pid(pid)
+        if pid <= 1:
+            return None
+    return None
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
+
+
+def _parent_pid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])  # after "(comm)": state, then ppid
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _option(args: list[str], *names: str) -> str | None:
+    """The value of torchrun's option ``--name=value`` or ``--name value`` (each spelling in ``names``)."""
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg.startswith(name + "="):
+                return arg.split("=", 1)[1]
+            if arg == name and i + 1 < len(args):
+                return args[i + 1]
+    return None
+
+
+def _rendezvous_endpoint(args: list[str]) -> tuple[str, int] | None:
+    """``--rdzv-endpoint=HOST[:PORT]`` (c10d's port 29400 by default); for a static rendezvous (none given), the
+    ``--master-addr``/``--master-port`` pair, torchrun's 127.0.0.1:29500 by default."""
+    endpoint = _option(args, "--rdzv-endpoint", "--rdzv_endpoint")
+    try:
+        if endpoint:
+            host, _, port = endpoint.rpartition(":") if ":" in endpoint else (endpoint, "", "29400")
+            return host.strip("[]"), int(port)
+        host = _option(args, "--master-addr", "--master_addr") or "127.0.0.1"
+        return host, int(_option(args, "--master-port", "--master_port") or 29500)
+    except ValueError:
+        return None

@@ -7,6 +7,7 @@ own, read from the doc, so that a change there is run here; only what two one-CP
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shlex
@@ -387,15 +388,38 @@ def elastic_doc_command() -> tuple[dict, list[str]]:
     return env, words
 
 
+def assert_each_sample_once_per_epoch(records: list[dict]) -> None:
+    """Each start's batches up to the step the next start resumed from (a batch in flight when a start ended is
+    trained again by the next), together: each epoch is the training set, each sample once."""
+    first_time = {}
+    for record in records:
+        first_time[record["start"]] = min(first_time.get(record["start"], math.inf), record["time"])
+    starts = sorted(first_time, key=first_time.get)
+    trained: dict[int, list[int]] = {}
+    for start, after in zip(starts, [*starts[1:], None], strict=True):
+        until = min((r["step"] for r in records if r["start"] == after), default=math.inf)
+        for record in records:
+            if record["start"] == start and record["step"] < until:
+                trained.setdefault(record["epoch"], []).extend(record["ids"])
+    assert sorted(trained) == list(range(EPOCHS)), sorted(trained)
+    for epoch, ids in trained.items():
+        assert sorted(ids) == list(range(CUT_SAMPLES)), f"epoch {epoch}: {len(ids)} samples, {len(set(ids))} distinct"
+
+
 @pytest.mark.slow
-def test_a_link_cut_mid_epoch_leaves_the_survivor_training_alone_from_the_last_step(nodes, tmp_path):
+def test_a_link_cut_mid_epoch_costs_the_step_in_flight_and_the_cut_off_node_rejoins(nodes, tmp_path):
     """docs/elastic.md's command on nodes ``a`` (the rendezvous host) and ``b``, at its default settings. After step
-    3 of the first epoch b's link is cut: nothing reaches a from b again, no reset either, so a's gloo collective
-    waits for good. a's rank watchdog judges b lost, a saves the state after step 3 from the watchdog's thread, and
-    torchrun restarts it at world size 1: it goes on from there, each sample once, and its first step comes within
-    60 s of the cut."""
+    3 of the first epoch b's link is cut: nothing passes, no reset either, so each side's gloo collective waits for
+    good.
+
+    - a's rank watchdog judges b lost, a saves the state after step 3 from the watchdog's thread, and torchrun
+      restarts it at world size 1 within 60 s of the cut;
+    - b judges itself cut off (rank 0's store and the rendezvous host both silent), says so, and stops with its
+      torchrun agent, leaving the rendezvous open;
+    - once the link is back, the same command on b joins the running job, which ends at world size 2 at the step of
+      an unbroken run, each sample trained once per epoch.
+    """
     from tests.record_samples import read_records
-    from tests.test_elastic import assert_each_sample_once_per_epoch
 
     root, records, marks = tmp_path / "runs", tmp_path / "records", tmp_path / "marks"
     doc_env, words = elastic_doc_command()
@@ -406,40 +430,65 @@ def test_a_link_cut_mid_epoch_leaves_the_survivor_training_alone_from_the_last_s
     words = replace(words, "--trainer.default_root_dir=/shared/runs", f"--trainer.default_root_dir={root}")
     record = {"class_path": "tests.record_samples.RecordSamples", "init_args": {"folder": str(records)}}
     pause = {"class_path": "tests.lose_node.PauseAtStep", "init_args": {"step": CUT_AT, "folder": str(marks)}}
+    # alone after the cut, a waits at step 5 for the rejoin (torchrun's SIGTERM), so the job is still running then
+    wait = {"class_path": "tests.lose_node.WaitForNodeAtStep", "init_args": {"step": 5, "world_size": 1}}
     words += [
         *(f"--data.train_size={CUT_SAMPLES}", f"--data.batch_size={CUT_BATCH}", "--trainer.limit_train_batches=null"),
         *(f"--trainer.max_epochs={EPOCHS}", "--trainer.accelerator=cpu"),
-        *("--trainer.callbacks+=" + json.dumps(record), "--trainer.callbacks+=" + json.dumps(pause)),
+        *(f"--trainer.callbacks+={json.dumps(c)}" for c in (record, pause, wait)),
     ]
-    logs = {node.name: tmp_path / f"{node.name}.log" for node in nodes.nodes}
-    processes = {
-        node.name: node.popen(words, log=logs[node.name], env=node_env(**doc_env), cwd=ROOT) for node in nodes.nodes
-    }
+    logs = {name: tmp_path / f"{name}.log" for name in ("a", "b", "b-again")}
+
+    def tails() -> str:
+        return "\n".join(f"--- {name}:\n{log.read_text()[-3000:]}" for name, log in logs.items() if log.exists())
+
+    env = node_env(**doc_env)
+    processes = {node.name: node.popen(words, log=logs[node.name], env=env, cwd=ROOT) for node in nodes.nodes}
     deadline = time.monotonic() + 180
     while len(list(marks.glob("paused-*"))) < 2 and time.monotonic() < deadline:
         if any(p.poll() is not None for p in processes.values()):
             break
         time.sleep(0.1)
-
-    def tails() -> str:
-        return "\n".join(f"--- {name}:\n{log.read_text()[-3000:]}" for name, log in logs.items())
-
     assert len(list(marks.glob("paused-*"))) == 2, tails()
     nodes.cut()
     cut = time.time()
     (marks / "go").touch()
-    wait_all({"a": processes["a"]}, logs, timeout=240)
+
+    # b, cut off: one line, then it stops by itself (its agent too), within the watchdog's time and a few seconds
+    try:
+        processes["b"].wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the cut-off node still runs 60 s after the cut\n{tails()}")
+    stopped = time.time() - cut
+    said = logs["b"].read_text()
+    assert re.search(r"\[rank \d\] lost the network: .* the rendezvous host a:29400 does not answer", said), tails()
+    assert "this node lost the network: its torchrun agent is stopped too" in said, tails()
+    assert processes["b"].returncode != 0
+    assert not nodes.b.pids(), tails()  # nothing left on b: no agent waiting to close the rendezvous later
+
+    # a, alone: restarted at world size 1 from the state after step 3, waiting at step 5
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and processes["a"].poll() is None:
+        if any(r["world"] == 1 and r["step"] >= 4 for r in read_records(records)):  # the batches of step 5
+            break
+        time.sleep(0.2)
     output = logs["a"].read_text()
-    assert processes["a"].returncode == 0, tails()
     saved = re.search(r"\[rank \d\] Saved the state after step (\d+) to \S+last\.ckpt; the launcher restarts", output)
     assert saved and int(saved.group(1)) == CUT_AT, tails()
-    assert re.search(r"lost rank \d: .*(has not answered|stopped answering)", output), tails()
     assert "torchrun restart 1 of at most 3: 1 process(es) on 1 node(s), resuming from" in output, tails()
+    first_alone = min(r["time"] for r in read_records(records) if r["world"] == 1)
+
+    # the link is back: the same command on b joins the job
+    nodes.restore()
+    processes["b-again"] = nodes.b.popen(words, log=logs["b-again"], env=env, cwd=ROOT)
+    wait_all({"a": processes["a"], "b-again": processes["b-again"]}, logs, timeout=240)
+    assert processes["a"].returncode == 0 and processes["b-again"].returncode == 0, tails()
     [run] = (root / "lightning_logs").glob("version_*")
     final = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")
-    assert final["global_step"] == EPOCHS * CUT_SAMPLES // (2 * CUT_BATCH)  # an unbroken two-node run's steps
+    assert final["global_step"] == EPOCHS * CUT_SAMPLES // (2 * CUT_BATCH), tails()  # an unbroken two-node run's
     recorded = read_records(records)
-    assert_each_sample_once_per_epoch(recorded, resumed_at_step=CUT_AT)
-    first_after = min(r["time"] for r in recorded if r["world"] == 1)
-    print(f"\nfrom the cut to the first step at world size 1: {first_after - cut:.1f} s")
-    assert first_after - cut < 60, tails()
+    last_start = max(recorded, key=lambda r: r["time"])["start"]
+    assert {r["world"] for r in recorded if r["start"] == last_start} == {2}  # it ended on both nodes again
+    assert_each_sample_once_per_epoch(recorded)
+    print(f"\ncut-off node stopped {stopped:.1f} s after the cut; first step alone {first_alone - cut:.1f} s after it")
+    assert first_alone - cut < 60, tails()

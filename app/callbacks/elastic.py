@@ -48,7 +48,7 @@ from typing_extensions import override
 
 from app.atomic import write_text
 from app.callbacks.progress import console_print
-from app.callbacks.rank_watchdog import RankWatchdog
+from app.callbacks.rank_watchdog import REJOIN, RankWatchdog
 from app.checkpoint_io import SafeCheckpointIO
 from app.elastic import (
     MARKER,
@@ -550,11 +550,12 @@ class Elastic(Callback):
         reason = ""  # from the watchdog thread, its own line said what failed
         if exception is not None:  # shortened at a word, not "the remote w."
             reason = f"{type(exception).__name__}: {textwrap.shorten(str(exception), 200, placeholder=' ...')}. "
-        then = (
-            "the launcher restarts the job from there"
-            if restarts_left()
-            else "no restart is left: continue with the same command plus --ckpt_path last"
-        )
+        if any(w.cut_off for w in trainer.callbacks if isinstance(w, RankWatchdog)):
+            then = REJOIN
+        elif restarts_left():
+            then = "the launcher restarts the job from there"
+        else:
+            then = "no restart is left: continue with the same command plus --ckpt_path last"
         say(
             trainer,
             f"[rank {trainer.global_rank}] {reason}Saved the state after step {step} to {path}; {then}",

@@ -46,6 +46,8 @@ from typing_extensions import override
 from app.callbacks.preemption import Preemption
 from app.elastic import restarts_left
 from app.errors import UserError
+from app.host_address import answers
+from app.launcher import TorchrunAgent, torchrun_agent
 from app.lightning_internals import take_over_local_ranks
 from app.quiet import store_warnings_off
 from app.signals import process_alive
@@ -89,6 +91,7 @@ class Heartbeat(threading.Thread):
         self.timeout, self.interval, self.prefix = timeout, interval, prefix
         self.lost_ranks: list[int] = []
         self.reason = ""
+        self.silent = False  # the verdict came from silence (a peer's heartbeat, rank 0's store), not an exit or error
         self.verdict = threading.Event()
         self._halt = threading.Event()  # not "_stop": that is a threading.Thread method
         self.on_lost = None  # called from this thread with (ranks, reason); default: exit the process
@@ -124,6 +127,7 @@ class Heartbeat(threading.Thread):
                     if call.is_alive()
                     else f"stopped answering ({type(outcome['error']).__name__})"
                 )
+                self.silent = True
                 self._judge([0], f"the rendezvous store on rank 0 {why}")
                 return
             beats = outcome["beats"]
@@ -145,6 +149,7 @@ class Heartbeat(threading.Thread):
                 if beats[r] != seen[r][0]:
                     seen[r] = (beats[r], now)
                 elif now - seen[r][1] > self.timeout:
+                    self.silent = True
                     lost.append(r)
                     reasons.append(f"rank {r} has not answered for {now - seen[r][1]:.0f} s")
             if lost:
@@ -188,8 +193,16 @@ class Heartbeat(threading.Thread):
 MIN_TIMEOUT = 1.0
 
 
-def what_next(last: Path | None) -> str:
+REJOIN = (
+    "this node lost the network: its torchrun agent is stopped too, so that it cannot close the rendezvous the "
+    "other nodes go on with; once the network is back, start the same command here again and the node rejoins the job"
+)
+
+
+def what_next(last: Path | None, cut_off: bool = False) -> str:
     """What a rank that stops after a lost peer tells the user: a restart is promised only when one is left."""
+    if cut_off:
+        return REJOIN[0].upper() + REJOIN[1:]
     saved = last is not None and last.is_file()
     if restarts_left():
         return "The launcher restarts the job" + (f" from {last}" if saved else "")
@@ -224,6 +237,7 @@ class RankWatchdog(Callback):
         self._checkpointer = None
         self._save: threading.Event | None = None  # set when the survivor's save (expect_save) is over
         self._save_now = None  # writes the survivor's state from the verdict's thread (expect_save)
+        self.cut_off: TorchrunAgent | None = None  # this node lost the network: its agent, stopped with the process
         self.before_exit: list = []  # callables run before the verdict ends the process (the CLI's run folder)
         self._save_reported = False
         self._strategy = None  # what the verdict's line says depends on it (sharded or not)
@@ -231,7 +245,7 @@ class RankWatchdog(Callback):
 
     def __getstate__(self) -> dict:
         # The horovod self-launch pickles the trainer into its ranks: the launching process's cleanups stay there.
-        return {**self.__dict__, "before_exit": [], "_save_now": None}
+        return {**self.__dict__, "before_exit": [], "_save_now": None, "cut_off": None}
 
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -253,6 +267,14 @@ class RankWatchdog(Callback):
     def _stop_process(self, ranks: list[int], reason: str) -> None:
         me = self._heartbeat.rank if self._heartbeat else "?"
         lost = f"error: [rank {me}] lost rank {', '.join(map(str, ranks))}: {reason}."
+        if self._heartbeat is not None and self._heartbeat.silent:
+            self.cut_off = self._lost_the_network()
+            if self.cut_off is not None:
+                lost = (
+                    f"error: [rank {me}] lost the network: {reason.split(' (')[0]}, and the rendezvous host "
+                    f"{self.cut_off.where} "
+                    "does not answer either."
+                )
         save = self._save
         if save is not None and save.is_set() and self._save_reported:  # its line came first and said what next
             _say(f"{lost} Stopping this rank (exit {EXIT_CODE}).")
@@ -284,9 +306,19 @@ class RankWatchdog(Callback):
             else:
                 lost = f"error: [rank {me}]"
         folder = getattr(self._checkpointer, "dirpath", None)
-        advice = what_next(Path(folder) / "last.ckpt" if folder else None)
+        advice = what_next(Path(folder) / "last.ckpt" if folder else None, cut_off=self.cut_off is not None)
         _say(f"{lost} Stopping this rank (exit {EXIT_CODE}){self._no_signal_checkpoint()}. {advice}")
         self._end()
+
+    def _lost_the_network(self) -> TorchrunAgent | None:
+        """Under torchrun, when a peer or rank 0's store fell silent: this worker's agent, if the rendezvous host it
+        meets the other nodes at does not answer either (this node is cut off, or that host is gone, which ends
+        the job anyway). Left running, the agent would wait to re-join until the network returns, then close the
+        rendezvous for every node (torch's agent does on its way out)."""
+        agent = torchrun_agent()
+        if agent is None or agent.endpoint is None:
+            return None
+        return None if answers(*agent.endpoint, timeout=min(3.0, self.timeout)) else agent
 
     def _sharded(self) -> bool:
         """fsdp, pipeline: each rank holds a part of the state, and a lost rank's part is gone (nothing to save)."""
@@ -307,6 +339,9 @@ class RankWatchdog(Callback):
         for cleanup in self.before_exit:  # what the process would do on its way out (os._exit skips it)
             with contextlib.suppress(Exception):
                 cleanup()
+        if self.cut_off is not None:  # at once, before it can close the rendezvous; with no traceback (SIGTERM's)
+            with contextlib.suppress(OSError):
+                os.kill(self.cut_off.pid, signal.SIGKILL)
         os._exit(EXIT_CODE)  # the main thread may be stuck in a collective: it cannot be unwound
 
     def expect_save(self, save_now=None) -> None:
