@@ -173,3 +173,33 @@ def test_ranks_that_share_the_gpus_of_their_node_still_take_one_each(rank_5_of_8
     with pytest.raises(UserError, match="CUDA_VISIBLE_DEVICES"):
         _horovod_on([torch.device("cuda", 0)])
     assert not _rank_has_own_gpu(_trainer_config(devices=4), per_node=4, devices_given=True)
+
+
+@pytest.mark.parametrize(
+    ("args", "endpoint"),
+    [
+        (["torchrun", "--rdzv-endpoint=a:29400", "cli.py", "fit"], ("a", 29400)),
+        (["python", "-m", "torch.distributed.run", "--rdzv_endpoint", "node-1", "cli.py"], ("node-1", 29400)),
+        (["torchrun", "--nnodes=2", "--master_addr=a", "--master_port", "1234", "cli.py"], ("a", 1234)),
+        (["torchrun", "--nproc_per_node=2", "cli.py"], ("127.0.0.1", 29500)),  # torchrun's static defaults
+        (["torchrun", "--rdzv-endpoint=[fd00::1]:7000", "cli.py"], ("fd00::1", 7000)),
+        (["torchrun", "--rdzv-endpoint=a:port", "cli.py"], None),
+    ],
+)
+def test_the_rendezvous_endpoint_comes_from_the_agents_command_line(args, endpoint):
+    """What a cut-off node asks whether it can still reach (app/callbacks/rank_watchdog.py)."""
+    from app.launcher import _rendezvous_endpoint
+
+    assert _rendezvous_endpoint(args) == endpoint
+
+
+def test_a_process_that_torchrun_did_not_start_has_no_agent(monkeypatch):
+    from app.launcher import torchrun_agent
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert torchrun_agent() is None
+    # started by torchrun, as its environment says, but no torchrun among this process's ancestors (pytest's)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert torchrun_agent() is None
