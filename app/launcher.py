@@ -139,13 +139,31 @@ def torchrun_agent() -> TorchrunAgent | None:
     None when torchrun did not start this process, or where ``/proc`` cannot tell."""
     if torchrun_job() is None:
         return None
+    found = _ancestor(lambda args: any(os.path.basename(a) == "torchrun" or a == "torch.distributed.run" for a in args))
+    return TorchrunAgent(found[0], _rendezvous_endpoint(found[1])) if found else None
+
+
+MPI_DAEMONS = ("mpirun", "mpiexec", "prterun", "prted", "orterun", "orted", "hydra_pmi_proxy")
+
+
+def mpi_daemon() -> tuple[int, str] | None:
+    """The Open MPI (or MPICH) process that started this rank, from ``/proc``: ``(pid, name)`` of mpirun on the node
+    it runs on, the node's daemon (``prted``) on the others; None when MPI did not start this process."""
+    if launcher_ranks() is None or torchrun_job() is not None:
+        return None
+    found = _ancestor(lambda args: os.path.basename(args[0]) in MPI_DAEMONS)
+    return (found[0], os.path.basename(found[1][0])) if found else None
+
+
+def _ancestor(matches, levels: int = 3) -> tuple[int, list[str]] | None:
+    """The nearest of this process's ancestors (within ``levels``) whose command line ``matches``: (pid, args)."""
     pid = os.getppid()
-    for _ in range(3):
+    for _ in range(levels):
         args = _cmdline(pid)
         if not args:
             return None
-        if any(os.path.basename(a) == "torchrun" or a == "torch.distributed.run" for a in args[:3]):
-            return TorchrunAgent(pid, _rendezvous_endpoint(args))
+        if matches(args[:3]):
+            return pid, args
         pid = _parent_pid(pid)
         if pid <= 1:
             return None

@@ -492,3 +492,46 @@ def test_a_link_cut_mid_epoch_costs_the_step_in_flight_and_the_cut_off_node_rejo
     assert_each_sample_once_per_epoch(recorded)
     print(f"\ncut-off node stopped {stopped:.1f} s after the cut; first step alone {first_alone - cut:.1f} s after it")
     assert first_alone - cut < 60, tails()
+
+
+@pytest.mark.slow
+def test_a_link_cut_under_mpirun_ends_the_job_within_the_watchdogs_time(nodes, tmp_path):
+    """docs/multi-node.md's mpirun command (horovod, one rank on each node), b's link cut after step 3. Rank 0, on a
+    with mpirun, judges rank 1 lost after --watchdog.timeout and says so in one line; mpirun, which would wait for
+    b's daemon for as long as the link is down, ends with it. On b, rank 1 and its daemon stop as well."""
+    root, marks = tmp_path / "runs", tmp_path / "marks"
+    [mpirun, *_] = [c for c in doc_commands("**mpirun / horovodrun**") if c[0] == "mpirun"]
+    subnet = f"{nodes.a.address.rsplit('.', 1)[0]}.0/24"
+    agent = nodes.rsh_agent(tmp_path / "rsh-agent")
+    launch = [
+        "--allow-run-as-root",
+        *("--mca", "plm_rsh_agent", str(agent)),
+        *("--mca", "btl_tcp_if_include", subnet, "--mca", "oob_tcp_if_include", subnet),
+        *("--bind-to", "none"),
+    ]
+    pause = {"class_path": "tests.lose_node.PauseAtStep", "init_args": {"step": CUT_AT, "folder": str(marks)}}
+    words = replace(on_two_cpu_nodes(mpirun, root), "mpirun", ["mpirun", *launch])
+    words += ["--trainer.limit_train_batches=8", "--trainer.callbacks+=" + json.dumps(pause)]
+    log = tmp_path / "mpirun.log"
+    process = nodes.a.popen(words, log=log, env=node_env(NCCL_SOCKET_IFNAME="eth0", **MPI_ENV), cwd=ROOT)
+    deadline = time.monotonic() + 180
+    while len(list(marks.glob("paused-*"))) < 2 and time.monotonic() < deadline and process.poll() is None:
+        time.sleep(0.1)
+    assert len(list(marks.glob("paused-*"))) == 2, log.read_text()[-4000:]
+    nodes.cut()
+    cut = time.monotonic()
+    (marks / "go").touch()
+    try:
+        process.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"mpirun still runs 90 s after the cut\n{log.read_text()[-4000:]}")
+    ended = time.monotonic() - cut
+    output = log.read_text()
+    print(f"\nmpirun ended {ended:.1f} s after the cut (exit {process.returncode})")
+    assert process.returncode != 0
+    assert re.search(r"error: \[rank 0\] lost rank 1: rank 1 has not answered for \d+ s", output), output[-4000:]
+    assert ended < 15 + 15, output[-4000:]  # the watchdog's 15 s, and a few seconds
+    deadline = time.monotonic() + 15  # the cut-off side: rank 1 stops with b's daemon (prted) too
+    while nodes.b.pids() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not nodes.b.pids(), [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in nodes.b.pids()]

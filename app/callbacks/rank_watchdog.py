@@ -47,7 +47,7 @@ from app.callbacks.preemption import Preemption
 from app.elastic import restarts_left
 from app.errors import UserError
 from app.host_address import answers
-from app.launcher import TorchrunAgent, torchrun_agent
+from app.launcher import TorchrunAgent, mpi_daemon, torchrun_agent
 from app.lightning_internals import take_over_local_ranks
 from app.quiet import store_warnings_off
 from app.signals import process_alive
@@ -92,6 +92,7 @@ class Heartbeat(threading.Thread):
         self.lost_ranks: list[int] = []
         self.reason = ""
         self.silent = False  # the verdict came from silence (a peer's heartbeat, rank 0's store), not an exit or error
+        self.across_hosts = False  # ... of a rank on another host (or one not yet placed): the network may have failed
         self.verdict = threading.Event()
         self._halt = threading.Event()  # not "_stop": that is a threading.Thread method
         self.on_lost = None  # called from this thread with (ranks, reason); default: exit the process
@@ -128,6 +129,7 @@ class Heartbeat(threading.Thread):
                     else f"stopped answering ({type(outcome['error']).__name__})"
                 )
                 self.silent = True
+                self.across_hosts = not pids.get(0)
                 self._judge([0], f"the rendezvous store on rank 0 {why}")
                 return
             beats = outcome["beats"]
@@ -150,6 +152,7 @@ class Heartbeat(threading.Thread):
                     seen[r] = (beats[r], now)
                 elif now - seen[r][1] > self.timeout:
                     self.silent = True
+                    self.across_hosts = self.across_hosts or not pids.get(r)  # not a process seen on this host
                     lost.append(r)
                     reasons.append(f"rank {r} has not answered for {now - seen[r][1]:.0f} s")
             if lost:
@@ -238,6 +241,7 @@ class RankWatchdog(Callback):
         self._save: threading.Event | None = None  # set when the survivor's save (expect_save) is over
         self._save_now = None  # writes the survivor's state from the verdict's thread (expect_save)
         self.cut_off: TorchrunAgent | None = None  # this node lost the network: its agent, stopped with the process
+        self.mpi_daemon: tuple[int, str] | None = None  # a rank on another host fell silent: mpirun, stopped with it
         self.before_exit: list = []  # callables run before the verdict ends the process (the CLI's run folder)
         self._save_reported = False
         self._strategy = None  # what the verdict's line says depends on it (sharded or not)
@@ -245,7 +249,7 @@ class RankWatchdog(Callback):
 
     def __getstate__(self) -> dict:
         # The horovod self-launch pickles the trainer into its ranks: the launching process's cleanups stay there.
-        return {**self.__dict__, "before_exit": [], "_save_now": None, "cut_off": None}
+        return {**self.__dict__, "before_exit": [], "_save_now": None, "cut_off": None, "mpi_daemon": None}
 
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -267,6 +271,10 @@ class RankWatchdog(Callback):
     def _stop_process(self, ranks: list[int], reason: str) -> None:
         me = self._heartbeat.rank if self._heartbeat else "?"
         lost = f"error: [rank {me}] lost rank {', '.join(map(str, ranks))}: {reason}."
+        if self._heartbeat is not None and self._heartbeat.silent and self._heartbeat.across_hosts:
+            # mpirun (or this node's daemon) would wait, for as long as the network is down, for the lost node's
+            # daemon to stop its ranks: it is ended with this rank
+            self.mpi_daemon = mpi_daemon()
         if self._heartbeat is not None and self._heartbeat.silent:
             self.cut_off = self._lost_the_network()
             if self.cut_off is not None:
@@ -277,7 +285,7 @@ class RankWatchdog(Callback):
                 )
         save = self._save
         if save is not None and save.is_set() and self._save_reported:  # its line came first and said what next
-            _say(f"{lost} Stopping this rank (exit {EXIT_CODE}).")
+            _say(f"{lost} {self._stopping()}.")
             self._end()
         if save is not None and not save.is_set():
             # A peer that died closed its connections: the collective the training thread is in, or its next one,
@@ -307,7 +315,7 @@ class RankWatchdog(Callback):
                 lost = f"error: [rank {me}]"
         folder = getattr(self._checkpointer, "dirpath", None)
         advice = what_next(Path(folder) / "last.ckpt" if folder else None, cut_off=self.cut_off is not None)
-        _say(f"{lost} Stopping this rank (exit {EXIT_CODE}){self._no_signal_checkpoint()}. {advice}")
+        _say(f"{lost} {self._stopping()}{self._no_signal_checkpoint()}. {advice}")
         self._end()
 
     def _lost_the_network(self) -> TorchrunAgent | None:
@@ -319,6 +327,12 @@ class RankWatchdog(Callback):
         if agent is None or agent.endpoint is None:
             return None
         return None if answers(*agent.endpoint, timeout=min(3.0, self.timeout)) else agent
+
+    def _stopping(self) -> str:
+        if self.mpi_daemon is None:
+            return f"Stopping this rank (exit {EXIT_CODE})"
+        name = self.mpi_daemon[1]
+        return f"Stopping this rank (exit {EXIT_CODE}) and {name}, which cannot reach the lost node to end the job"
 
     def _sharded(self) -> bool:
         """fsdp, pipeline: each rank holds a part of the state, and a lost rank's part is gone (nothing to save)."""
@@ -339,9 +353,15 @@ class RankWatchdog(Callback):
         for cleanup in self.before_exit:  # what the process would do on its way out (os._exit skips it)
             with contextlib.suppress(Exception):
                 cleanup()
-        if self.cut_off is not None:  # at once, before it can close the rendezvous; with no traceback (SIGTERM's)
+        # torch's agent at once, before it can close the rendezvous (and with no traceback, which SIGTERM gives); mpirun
+        # once it has passed this rank's line on (it reads the ranks' output), before it waits for the lost node
+        if self.cut_off is not None:
             with contextlib.suppress(OSError):
                 os.kill(self.cut_off.pid, signal.SIGKILL)
+        if self.mpi_daemon is not None:
+            time.sleep(1.0)
+            with contextlib.suppress(OSError):
+                os.kill(self.mpi_daemon[0], signal.SIGKILL)
         os._exit(EXIT_CODE)  # the main thread may be stuck in a collective: it cannot be unwound
 
     def expect_save(self, save_now=None) -> None:
