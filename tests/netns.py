@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from app.signals import process_alive
+
 PREFIX = "tn2-"  # every namespace this module makes: tn2-<pid>-<n>-<host>
 SUBNET = "10.77.0"  # the nodes' /24
 INTERFACE = "eth0"  # each node's end of the veth pair, inside its namespace
@@ -117,16 +119,6 @@ def iptables_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _netns_pids(netns: str) -> list[int]:
     result = _ip("netns", "pids", netns, check=False)
     return [int(p) for p in result.stdout.split()] if result.returncode == 0 else []
@@ -171,7 +163,7 @@ def remove_leftovers() -> None:
             pid = int(name[len(PREFIX) :].split("-")[0])
         except ValueError:
             continue
-        if not _alive(pid):
+        if not process_alive(pid):
             _remove_netns(name)
 
 
