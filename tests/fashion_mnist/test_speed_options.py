@@ -65,6 +65,24 @@ def compile_with(monkeypatch, backend) -> None:
     torch._dynamo.reset()
 
 
+def fit_tiny(model, tmp_path, *, train: int = 40, val: int = 24, max_epochs: int = 2, **options) -> Trainer:
+    """Fit ``model`` on random 28x28 images, in batches of 16 (``train=40``: 16, 16, 8; ``val=24``: 16, 8), without
+    logger, checkpoints, progress bar or sanity check unless ``options`` say otherwise; Dynamo is reset after."""
+    images = torch.randn(train + val, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    labels = torch.randint(0, 10, (train + val,), generator=torch.Generator().manual_seed(1))
+    train_loader = DataLoader(TensorDataset(images[:train], labels[:train]), batch_size=16)
+    val_loader = DataLoader(TensorDataset(images[train:], labels[train:]), batch_size=16)
+    settings = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False, **options}
+    trainer = Trainer(
+        accelerator="cpu", max_epochs=max_epochs, num_sanity_val_steps=0, default_root_dir=tmp_path, **settings
+    )
+    try:
+        trainer.fit(model, train_loader, val_loader)
+    finally:
+        torch._dynamo.reset()
+    return trainer
+
+
 def _symbolic(graph: torch.fx.GraphModule) -> bool:
     """Whether Dynamo compiled this graph for symbolic sizes (a SymInt input, or a tensor of a symbolic shape)."""
     for node in graph.graph.find_nodes(op="placeholder"):
@@ -90,18 +108,7 @@ def test_compiled_shapes_stay_fixed_when_an_epoch_ends_on_a_smaller_batch(tmp_pa
 
     compile_with(monkeypatch, recorder)
     model = ImageClassifier(arch="resnet_tiny", compile=True)
-    images = torch.randn(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))
-    labels = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(1))
-    train = DataLoader(TensorDataset(images[:40], labels[:40]), batch_size=16)  # 16, 16, 8
-    val = DataLoader(TensorDataset(images[40:], labels[40:]), batch_size=16)  # 16, 8
-    trainer = Trainer(
-        accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, default_root_dir=tmp_path,
-    )  # fmt: skip
-    try:
-        trainer.fit(model, train, val)
-    finally:
-        torch._dynamo.reset()
+    trainer = fit_tiny(model, tmp_path, enable_model_summary=False)  # batches 16, 16, 8; validation's 16, 8
     assert trainer.global_step == 6
     assert [_symbolic(graph) for graph in graphs] == [False] * 4
 
@@ -120,19 +127,7 @@ def test_the_model_summary_leaves_the_network_to_compile_at_the_first_step(tmp_p
 
     compile_with(monkeypatch, recorder)
     model = ImageClassifier(arch="resnet_tiny", compile=True)
-    images = torch.randn(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))
-    labels = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(1))
-    train = DataLoader(TensorDataset(images[:40], labels[:40]), batch_size=16)  # 16, 16, 8
-    val = DataLoader(TensorDataset(images[40:], labels[40:]), batch_size=16)  # 16, 8
-    summary = RichModelSummary(max_depth=2)
-    trainer = Trainer(
-        accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        callbacks=[summary], num_sanity_val_steps=0, default_root_dir=tmp_path,
-    )  # fmt: skip
-    try:
-        trainer.fit(model, train, val)
-    finally:
-        torch._dynamo.reset()
+    fit_tiny(model, tmp_path, max_epochs=1, callbacks=[RichModelSummary(max_depth=2)])  # 16, 16, 8; 16, 8
     assert model.example_input_array.shape[0] == 2  # the summary did run the network on its example
     assert sorted(set(sizes)) == [8, 16], sizes
 
@@ -171,19 +166,8 @@ def test_loss_and_argmax_compile_with_the_network_and_none_of_their_outputs_outl
 
     compile_with(monkeypatch, backend)
     model = ImageClassifier(arch="resnet_tiny", compile=True)
-    images = torch.randn(56, 1, 28, 28, generator=torch.Generator().manual_seed(0))
-    labels = torch.randint(0, 10, (56,), generator=torch.Generator().manual_seed(1))
-    train = DataLoader(TensorDataset(images[:32], labels[:32]), batch_size=16)
-    val = DataLoader(TensorDataset(images[32:], labels[32:]), batch_size=16)  # 16, 8
     alive = Alive()
-    trainer = Trainer(
-        accelerator="cpu", max_epochs=2, logger=CSVLogger(tmp_path), log_every_n_steps=1, enable_checkpointing=False,
-        enable_progress_bar=False, callbacks=[alive], num_sanity_val_steps=0, default_root_dir=tmp_path,
-    )  # fmt: skip
-    try:
-        trainer.fit(model, train, val)
-    finally:
-        torch._dynamo.reset()
+    fit_tiny(model, tmp_path, train=32, logger=CSVLogger(tmp_path), log_every_n_steps=1, callbacks=[alive])
     assert len(alive.counts) == 8 and alive.counts[1:] == [0] * 7  # 2 x (2 training and 2 validation batches)
     assert len(graphs) == 3  # training at 16, evaluation at 16 and 8
     for graph in graphs:
@@ -200,19 +184,8 @@ def test_the_run_report_shows_the_step_time_and_what_torch_compile_did(compiled,
     mode), no graph break."""
     compile_with(monkeypatch, lambda graph, example_inputs: graph.forward)
     model = ImageClassifier(arch="resnet_tiny", compile=compiled)
-    images = torch.randn(64, 1, 28, 28, generator=torch.Generator().manual_seed(0))
-    labels = torch.randint(0, 10, (64,), generator=torch.Generator().manual_seed(1))
-    train = DataLoader(TensorDataset(images[:40], labels[:40]), batch_size=16)  # 16, 16, 8
-    val = DataLoader(TensorDataset(images[40:], labels[40:]), batch_size=16)  # 16, 8
-    trainer = Trainer(
-        accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[RunReport()], num_sanity_val_steps=0, default_root_dir=tmp_path,
-    )  # fmt: skip
-    try:
-        with caplog.at_level(logging.INFO):  # the report's lines go through Lightning's rank-zero logger
-            trainer.fit(model, train, val)
-    finally:
-        torch._dynamo.reset()
+    with caplog.at_level(logging.INFO):  # the report's lines go through Lightning's rank-zero logger
+        fit_tiny(model, tmp_path, enable_model_summary=False, callbacks=[RunReport()])
     out = "\n".join(record.getMessage() for record in caplog.records)
     epochs = re.findall(r"^epoch \d .*? \| [\d,]+ samples/s \| ([\d.]+) ms/step \| 1 x cpu", out, re.MULTILINE)
     assert len(epochs) == 2 and all(float(ms) > 0 for ms in epochs), out
