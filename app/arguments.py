@@ -326,7 +326,13 @@ TIMEOUT_HINT = "use a finite duration > 0, in seconds (600) or as H:MM:SS (0:10:
 def timeout_in_seconds(argv: list[str]) -> list[str]:
     """``--trainer.strategy.timeout`` (the process group's timeout, a ``timedelta``) also in seconds: ``=600`` is
     ``=0:10:00``. A duration that is not above zero is one line: torch took it and failed in C++ at the first
-    collective, a hundred lines of frames."""
+    collective, a hundred lines of frames.
+
+    Why a rewrite of this one flag and not ``jsonargparse.typing.register_type(timedelta, deserializer=...)``, which
+    would take seconds in a YAML file too (tried with jsonargparse 4.53): the registration replaces jsonargparse's
+    own ``timedelta`` deserializer process-wide, for every class a run configures (a fork's, Lightning's
+    ``ModelCheckpoint(train_time_interval=...)``), and its failures come back as jsonargparse's multi-line
+    "Not of type timedelta" error rather than this one line. A YAML ``timeout:`` takes H:MM:SS."""
     out = list(argv)
     for i, arg in enumerate(argv):
         if arg.startswith(f"{TIMEOUT_FLAG}="):
