@@ -332,7 +332,7 @@ def timeout_in_seconds(argv: list[str]) -> list[str]:
     would take seconds in a YAML file too (tried with jsonargparse 4.53): the registration replaces jsonargparse's
     own ``timedelta`` deserializer process-wide, for every class a run configures (a fork's, Lightning's
     ``ModelCheckpoint(train_time_interval=...)``), and its failures come back as jsonargparse's multi-line
-    "Not of type timedelta" error rather than this one line. A YAML ``timeout:`` takes H:MM:SS."""
+    "Not of type timedelta" error rather than this one line."""
     out = list(argv)
     for i, arg in enumerate(argv):
         if arg.startswith(f"{TIMEOUT_FLAG}="):
