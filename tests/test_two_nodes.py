@@ -436,6 +436,8 @@ def test_a_link_cut_mid_epoch_costs_the_step_in_flight_and_the_cut_off_node_rejo
     words += [
         *(f"--data.train_size={CUT_SAMPLES}", f"--data.batch_size={CUT_BATCH}", "--trainer.limit_train_batches=null"),
         *(f"--trainer.max_epochs={EPOCHS}", "--trainer.accelerator=cpu"),
+        # float64 and GroupNorm: a step at any world size computes what one process computes, up to rounding
+        *("--trainer.precision=64-true", "--model.norm=group"),
         *(f"--trainer.callbacks+={json.dumps(c)}" for c in (record, pause, wait)),
     ]
     logs = {name: tmp_path / f"{name}.log" for name in ("a", "b", "b-again")}
@@ -493,6 +495,28 @@ def test_a_link_cut_mid_epoch_costs_the_step_in_flight_and_the_cut_off_node_rejo
     assert_each_sample_once_per_epoch(recorded)
     print(f"\ncut-off node stopped {stopped:.1f} s after the cut; first step alone {first_alone - cut:.1f} s after it")
     assert first_alone - cut < 60, tails()
+
+    # what was trained is what an unbroken run trains: one process, the same global batch 8 by accumulation
+    from tests.chaos import TOLERANCE
+    from tests.record_samples import step_losses
+
+    unbroken = tmp_path / "unbroken"
+    at = words.index("cli.py")
+    reference = [sys.executable, *words[at:], "--trainer.accumulate_grad_batches=2"]
+    reference = replace(reference, f"--trainer.default_root_dir={root}", f"--trainer.default_root_dir={unbroken}")
+    reference = [w.replace(str(records), str(unbroken / "records")) for w in reference if "PauseAtStep" not in w]
+    reference = [w for w in reference if "WaitForNodeAtStep" not in w and w != "--trainer.strategy=ddp"]
+    done = subprocess.run(reference, cwd=ROOT, env=node_env(), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    expected, got = step_losses(unbroken / "records"), step_losses(records)
+    assert sorted(got) == sorted(expected) == list(range(final["global_step"])), (sorted(got), sorted(expected))
+    assert max(abs(got[step] - expected[step]) for step in expected) <= TOLERANCE, (got, expected)
+    [ref_run] = (unbroken / "lightning_logs").glob("version_*")
+    theirs = torch.load(ref_run / "checkpoints" / "last.ckpt", weights_only=True, map_location="cpu")["state_dict"]
+    mine = final["state_dict"]
+    assert mine.keys() == theirs.keys()
+    far = max((mine[k].double() - theirs[k].double()).abs().max().item() for k in theirs)
+    assert far <= TOLERANCE, f"the final weights are {far:.3g} away from an unbroken run's"
 
 
 @pytest.mark.slow
