@@ -875,3 +875,48 @@ def test_a_stopping_rank_promises_a_restart_only_when_one_is_left(monkeypatch, t
     assert what_next(last).startswith(f"{last} is intact")
     monkeypatch.setenv(MPI_RESTARTS_LEFT, "1")
     assert what_next(last).startswith("The launcher restarts the job")
+
+
+def test_a_save_from_the_watchdog_thread_waits_for_the_step_in_flight_and_holds_the_next():
+    """A cut link: the watchdog thread writes the state while the training thread may be anywhere. It waits until the
+    step in flight is recorded (the weights are past the recorded position during the optimizer step), and once it
+    has begun, the training thread's next optimizer step waits for good (the process ends after the save). When the
+    training thread stays inside a step (hung there), nothing is written from the watchdog thread and its own save
+    is left possible."""
+    import threading
+
+    from app.callbacks import Elastic
+
+    def elastic_with(saved: list) -> Elastic:
+        callback = Elastic()
+        callback._step_lock, callback._saving = threading.Lock(), threading.Lock()
+        callback._save_after_failure = lambda trainer, exception: saved.append(time.monotonic()) or True
+        return callback
+
+    trainer = SimpleNamespace()
+    saved: list[float] = []
+    elastic = elastic_with(saved)
+    elastic.on_before_optimizer_step(trainer, None, None)  # the training thread is in a step
+    result: dict = {}
+    save = threading.Thread(target=lambda: result.update(done=elastic.save_from_watchdog(trainer, wait=10)))
+    save.start()
+    time.sleep(0.5)
+    assert not saved  # not during the step
+    recorded = time.monotonic()
+    elastic._step_recorded()  # on_train_batch_end recorded the step's position
+    save.join(10)
+    assert result == {"done": True} and saved and saved[0] >= recorded
+    stepped = threading.Event()
+
+    def next_step() -> None:
+        elastic.on_before_optimizer_step(trainer, None, None)
+        stepped.set()
+
+    threading.Thread(target=next_step, daemon=True).start()
+    assert not stepped.wait(0.5)  # the next step waits: the state written stays the process's last
+
+    saved = []
+    hung = elastic_with(saved)
+    hung.on_before_optimizer_step(trainer, None, None)  # and never leaves the step
+    assert hung.save_from_watchdog(trainer, wait=0.3) is False and not saved
+    assert hung._saving.acquire(blocking=False)  # the training thread can still save, if its collective fails
