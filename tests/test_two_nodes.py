@@ -560,3 +560,42 @@ def test_a_link_cut_under_mpirun_ends_the_job_within_the_watchdogs_time(nodes, t
     while nodes.b.pids() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not nodes.b.pids(), [Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in nodes.b.pids()]
+
+
+@pytest.mark.slow
+def test_a_node_cut_off_while_the_job_forms_joins_once_the_link_is_back(nodes, tmp_path):
+    """docs/elastic.md's command on ``a`` and on ``b``, with b's link down from the start and back 40 s later (past
+    the rendezvous' last call, so a starts alone). b's agent keeps trying to reach the rendezvous (its
+    ``read_timeout``) and joins the running job once the link is back; the job ends at world size 2."""
+    from tests.record_samples import read_records
+
+    root, records = tmp_path / "runs", tmp_path / "records"
+    doc_env, words = elastic_doc_command()
+    words = replace(words, "--nproc_per_node=4", "--nproc_per_node=1")
+    words = replace(words, "--rdzv-endpoint=HOST:29400", "--rdzv-endpoint=a:29400")
+    recipe = next(w for w in words if w.startswith("configs/"))
+    words = replace(words, recipe, "tests/tiny.yaml")
+    words = replace(words, "--trainer.default_root_dir=/shared/runs", f"--trainer.default_root_dir={root}")
+    record = {"class_path": "tests.record_samples.RecordSamples", "init_args": {"folder": str(records)}}
+    wait = {"class_path": "tests.lose_node.WaitForNodeAtStep", "init_args": {"step": 2, "world_size": 1}}
+    words += [
+        *(f"--data.train_size={CUT_SAMPLES}", f"--data.batch_size={CUT_BATCH}", "--trainer.limit_train_batches=null"),
+        *(f"--trainer.max_epochs={EPOCHS}", "--trainer.accelerator=cpu"),
+        *(f"--trainer.callbacks+={json.dumps(c)}" for c in (record, wait)),
+    ]
+    logs = {name: tmp_path / f"{name}.log" for name in ("a", "b")}
+    env = node_env(**doc_env)
+    nodes.cut()
+    processes = {"b": nodes.b.popen(words, log=logs["b"], env=env, cwd=ROOT)}
+    time.sleep(2)
+    processes["a"] = nodes.a.popen(words, log=logs["a"], env=env, cwd=ROOT)
+    time.sleep(40)
+    nodes.restore()
+    restored = time.time()
+    wait_all(processes, logs, timeout=240)
+    tails = "\n".join(f"--- {name}:\n{log.read_text()[-3000:]}" for name, log in logs.items())
+    assert all(p.returncode == 0 for p in processes.values()), tails
+    recorded = read_records(records)
+    assert {r["world"] for r in recorded} == {1, 2}, tails  # a alone first, then both
+    joined = min(r["time"] for r in recorded if r["world"] == 2)
+    print(f"\nb's first step in the job {joined - restored:.1f} s after its link came back")
