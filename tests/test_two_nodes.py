@@ -564,9 +564,10 @@ def test_a_link_cut_under_mpirun_ends_the_job_within_the_watchdogs_time(nodes, t
 
 @pytest.mark.slow
 def test_a_node_cut_off_while_the_job_forms_joins_once_the_link_is_back(nodes, tmp_path):
-    """docs/elastic.md's command on ``a`` and on ``b``, with b's link down from the start and back 40 s later (past
-    the rendezvous' last call, so a starts alone). b's agent keeps trying to reach the rendezvous (its
-    ``read_timeout``) and joins the running job once the link is back; the job ends at world size 2."""
+    """docs/elastic.md's command on ``a`` and on ``b``, with b's link down from the start and back 25 s later (past
+    the rendezvous' last call, so a starts alone). b's agent keeps trying to reach the rendezvous for torch's
+    ``read_timeout`` (60 s; its tries back off up to ~17 s apart, so the link comes back well before) and joins the
+    running job once the link is back; the job ends at world size 2."""
     from tests.record_samples import read_records
 
     root, records = tmp_path / "runs", tmp_path / "records"
@@ -589,7 +590,7 @@ def test_a_node_cut_off_while_the_job_forms_joins_once_the_link_is_back(nodes, t
     processes = {"b": nodes.b.popen(words, log=logs["b"], env=env, cwd=ROOT)}
     time.sleep(2)
     processes["a"] = nodes.a.popen(words, log=logs["a"], env=env, cwd=ROOT)
-    time.sleep(40)
+    time.sleep(25)
     nodes.restore()
     restored = time.time()
     wait_all(processes, logs, timeout=240)
