@@ -89,10 +89,10 @@ PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
         "lightning.pytorch.core.optimizer:LightningOptimizer",
         "the wrapped optimizer",
     ),
-    # The keyword arguments DDPStrategy hands DistributedDataParallel; set before it wraps the model (no public hook).
+    # The keyword arguments DDPStrategy hands DistributedDataParallel (no public accessor); read where we wrap.
     ("app/strategies/ddp.py", "_ddp_kwargs"): (
         "lightning.pytorch.strategies:DDPStrategy",
-        "broadcast_buffers off in a world of one",
+        "the strategy's DistributedDataParallel arguments, passed on in _setup_model",
     ),
     # Where DDPStrategy wraps the model (configure_ddp calls it): overridden to wrap on the current CUDA stream.
     ("app/strategies/ddp.py", "_setup_model"): (

@@ -22,7 +22,7 @@ __all__ = ["DDPStrategy", "DataParallelStrategy", "FSDPStrategy", "HorovodStrate
 for name, start_method in (("ddp", "popen"), ("ddp_spawn", "spawn")):
     if StrategyRegistry[name]["strategy"] is not DDPStrategy:
         description = (
-            StrategyRegistry[name]["description"] + "; gradients as bucket views, no buffer broadcast in a world of one"
+            StrategyRegistry[name]["description"] + "; gradients as bucket views, no DDP wrapper in a world of one"
         )
         StrategyRegistry.register(name, DDPStrategy, description, override=True, start_method=start_method)
 if "dp" not in StrategyRegistry:
