@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.distributed import default_pg_timeout
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -107,6 +108,11 @@ class FSDPStrategy(SplitModelStrategy):
                 f"--trainer.strategy=fsdp shards the submodules of {type(model).__name__}, but the parameters "
                 f"{', '.join(own)} are its own: move them into a submodule (self.net = ...)"
             )
+        if any(not p.is_contiguous() for p in model.parameters()):
+            # FSDP2 shards contiguous parameters only ("does not support non-contiguous parameters yet"): weights
+            # back in NCHW. A channels_last task's activations stay NHWC, and its convolutions with them.
+            model.to(memory_format=torch.contiguous_format)
+            rank_zero_info("fsdp: weights kept in the contiguous layout, which FSDP2 shards (activations unchanged)")
         mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
         options = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
         policy = self._mixed_precision(model)

@@ -65,6 +65,18 @@ def compile_with(monkeypatch, backend) -> None:
     torch._dynamo.reset()
 
 
+def test_fsdp_trains_a_channels_last_model_with_its_weights_made_contiguous(tmp_path):
+    """FSDP2 refuses non-contiguous parameters ("does not support non-contiguous parameters yet"); the strategy puts
+    a channels_last model's weights back in NCHW before sharding, and the activations stay NHWC (the GPU preset
+    configs/gpu_fast.yaml with --trainer.strategy=fsdp crashed before)."""
+    from app.strategies import FSDPStrategy
+
+    model = ImageClassifier(arch="resnet_tiny", channels_last=True)
+    trainer = fit_tiny(model, tmp_path, max_epochs=1, strategy=FSDPStrategy(), devices=1)
+    assert trainer.state.finished and trainer.global_step == 3
+    assert all(p.to_local().is_contiguous() for p in model.parameters())
+
+
 def fit_tiny(model, tmp_path, *, train: int = 40, val: int = 24, max_epochs: int = 2, **options) -> Trainer:
     """Fit ``model`` on random 28x28 images, in batches of 16 (``train=40``: 16, 16, 8; ``val=24``: 16, 8), without
     logger, checkpoints, progress bar or sanity check unless ``options`` say otherwise; Dynamo is reset after."""
