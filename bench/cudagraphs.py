@@ -90,7 +90,11 @@ class StepTimer:
             torch.cuda.synchronize()
         host = [(b - a) * 1e3 for a, b in zip(self.starts, self.starts[1:], strict=False)][skip:]
         device = [begin.elapsed_time(end) for begin, end in self.events][skip:] if self.cuda else []
-        Path(path).write_text(json.dumps({"host_ms": host, "device_ms": device, "dynamo": dynamo_counters()}))
+        # the device's step-to-step time: a step's own work plus any wait for the host (what throughput sees)
+        begins = [begin for begin, _ in self.events][skip:] if self.cuda else []
+        period = [a.elapsed_time(b) for a, b in zip(begins, begins[1:], strict=False)]
+        steps = {"host_ms": host, "device_ms": device, "period_ms": period, "dynamo": dynamo_counters()}
+        Path(path).write_text(json.dumps(steps))
 
 
 def dynamo_counters() -> dict:
@@ -203,11 +207,12 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
     return cmd + (["--trainer.callbacks+=bench.cudagraphs.StepProfile"] if profile else [])
 
 
-def run_variant(variant: str, args, data_dir: Path, logs: Path) -> dict:
+def run_variant(variant: str, args, data_dir: Path, logs: Path, repeat: int = 0) -> dict:
     with tempfile.TemporaryDirectory() as workdir:
         times = Path(workdir) / "steps.json"
-        log = logs / f"{variant}.log"
-        profile = logs / f"{variant}.profile.txt"
+        stem = f"{variant}.r{repeat + 1}" if args.repeats > 1 else variant
+        log = logs / f"{stem}.log"
+        profile = logs / f"{stem}.profile.txt"
         env = {**os.environ, "TORCH_LOGS": TORCH_LOGS, STEP_TIMES: str(times), PROFILE: str(profile)}
         env["PYTHONPATH"] = str(ROOT)
         with log.open("w") as out:
@@ -222,7 +227,23 @@ def run_variant(variant: str, args, data_dir: Path, logs: Path) -> dict:
         if result.returncode != 0:
             raise RuntimeError(f"{variant} failed (exit {result.returncode}); see {log}")
         steps = json.loads(times.read_text())
-    return summarize(variant, steps, log.read_text())
+    return {"repeat": repeat + 1, **summarize(variant, steps, log.read_text())}
+
+
+def spread(rows: list[dict]) -> str:
+    """Each variant's mean step time over the repeats (median, min-max) and its ratio to the plain loop of the same
+    repeat, as a markdown table: the figures the issue's targets are stated in."""
+    plain = {row["repeat"]: row["ms per step"] for row in rows if row["variant"] == "plain"}
+    lines = ["| variant | repeats | ms per step median (min-max) | plain loop / variant median (min-max) |"]
+    lines.append("|---|---|---|---|")
+    for variant in dict.fromkeys(row["variant"] for row in rows):
+        runs = [row for row in rows if row["variant"] == variant and row["ms per step"]]
+        times = [row["ms per step"] for row in runs]
+        ratios = [plain[row["repeat"]] / row["ms per step"] for row in runs if row["repeat"] in plain]
+        cell = f"{median(times):.3f} ({min(times):.3f}-{max(times):.3f})" if times else ""
+        ratio = f"{median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f})" if ratios else ""
+        lines.append(f"| {variant} | {len(runs)} | {cell} | {ratio} |")
+    return "\n".join(lines)
 
 
 def percentiles(values: list[float]) -> tuple[float, float, float] | None:
@@ -234,6 +255,8 @@ def percentiles(values: list[float]) -> tuple[float, float, float] | None:
 
 def summarize(variant: str, steps: dict, log: str) -> dict:
     row: dict = {"variant": variant, "steps": len(steps["host_ms"])}
+    period = steps.get("period_ms") or steps["host_ms"]  # on CPU: the host's clock
+    row["ms per step"] = round(sum(period) / len(period), 3) if period else None  # mean: what an epoch takes
     for kind in ("host", "device"):
         figures = percentiles(steps[f"{kind}_ms"])
         if figures:
@@ -261,6 +284,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--source", default="synthetic", choices=["synthetic", "fashion_mnist"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per variant")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every variant, round robin")
     parser.add_argument("--no-record", action="store_true", help="print only (no bench/results files)")
     args = parser.parse_args(argv)
 
@@ -272,13 +296,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as scratch:
         data_dir = args.data_dir or Path(scratch) / "data"
         rows = []
-        for variant in args.variants.split(","):
-            row = run_variant(variant, args, data_dir, logs)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for repeat in range(args.repeats):  # round robin: a drift of the machine's speed touches every variant
+            for variant in args.variants.split(","):
+                row = run_variant(variant, args, data_dir, logs, repeat)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     columns = list(dict.fromkeys(k for row in rows for k in row))
+    print(spread(rows))
     if not args.no_record:
-        notes = f"Per-step times over the timed steps; log lines of `TORCH_LOGS={TORCH_LOGS}`, kept in `{logs.name}/`."
+        notes = (
+            "ms per step: the mean time from one step's start to the next's on the device clock (the host's on CPU),"
+            " so what an epoch takes. Per-step times over the timed steps; log lines of"
+            f" `TORCH_LOGS={TORCH_LOGS}`, kept in `{logs.name}/`.\n\n{spread(rows)}"
+        )
         print(record(name, "bench.cudagraphs", rows, columns, notes=notes, device=device))
     return rows
 

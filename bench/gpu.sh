@@ -9,11 +9,13 @@
 #   setup  a venv in /tmp/venv over python3's packages, with .whl/*.whl and this checkout (editable)
 #   probe  python -m bench.cudagraphs: where a compiled step loses its CUDA graphs (plain loop, cli.py, Lightning;
 #          the checkout in .gpu/baseline too, where there is one: git archive COMMIT | tar -x -C .gpu/baseline)
+#   eager  the same probe without compiling (EAGER_VARIANTS): one GPU under auto, dp and ddp against the plain loop
 #   bench  python -m bench --repeats 3: cli.py fit on one GPU under auto, dp and ddp against the plain loop
 #   data   the seeds' d2l settings and the full recipe on the real data (configs/d2l.yaml, fashion_mnist.yaml),
 #          the GPU tests beside them
 #   tests  the suite's GPU tests (tests/test_gpu.py, tests/fashion_mnist/test_gpu_recipe.py)
-# Settings: VARIANTS (the probe's, comma-separated), PROBE_LIMIT, BENCH_LIMIT, TESTS_LIMIT (seconds per section).
+# Settings: VARIANTS and EAGER_VARIANTS (comma-separated), REPEATS (runs of each, round robin), PROBE_LIMIT,
+# EAGER_LIMIT, BENCH_LIMIT, TESTS_LIMIT (seconds per section).
 # Each section has its own time limit and logs to $OUT/<section>.txt; bench/results is packed into $OUT at the end.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -48,7 +50,13 @@ for step in "$@"; do
         variants=${VARIANTS:-plain,cli,cli@ddp,lightning}
         [ -d .gpu/baseline ] && variants=$variants,baseline  # a checkout of the commit to compare with
         section probe "${PROBE_LIMIT:-190}" $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
-            --channels-last --compile-mode reduce-overhead --steps 60 --variants $variants --baseline "$PWD/.gpu/baseline"
+            --channels-last --compile-mode reduce-overhead --steps 60 --variants $variants --baseline "$PWD/.gpu/baseline" \
+            --repeats "${REPEATS:-1}"
+        ;;
+    eager)  # the probe without compiling: cli.py fit under auto, dp and ddp on one GPU against the plain loop
+        section eager "${EAGER_LIMIT:-150}" $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
+            --channels-last --no-compile --steps 60 --variants "${EAGER_VARIANTS:-plain,cli,cli@dp,cli@ddp}" \
+            --repeats "${REPEATS:-1}"
         ;;
     bench)
         section bench "${BENCH_LIMIT:-240}" $PY -m bench --arch resnet18 --batch-size 256 --precision bf16-mixed \

@@ -81,6 +81,35 @@ def test_compiled_recipe_trains(workdir, data_dir):
     assert len(losses) == 40 and sum(losses[-5:]) < sum(losses[:5])
 
 
+class RecordBackend(Callback):
+    """Writes the process group's backend to ./backend.txt when training starts."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.is_global_zero:
+            with open("backend.txt", "w") as f:
+                f.write(torch.distributed.get_backend())
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
+def test_fsdp_and_a_one_stage_pipeline_train_over_nccl_on_one_gpu(workdir, data_dir, strategy):
+    """Both strategies' collectives over NCCL (the CPU suite runs them over gloo): 12 finite steps, a checkpoint
+    with the whole model in it."""
+    rows = _fit(
+        data_dir,
+        f"--trainer.strategy={strategy}",
+        "--trainer.devices=1",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.callbacks+=tests.fashion_mnist.test_gpu_recipe.RecordBackend",
+    )
+    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    assert len(losses) == 12 and all(loss == loss for loss in losses)  # finite, not NaN
+    with open("backend.txt") as f:
+        assert f.read() == "nccl"
+    checkpoint = torch.load("lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    weights = checkpoint["state_dict"]  # the whole network, gathered from its shards or stages
+    assert len(weights) == 74 and weights["net.fc.weight"].shape == (10, 128)  # resnet_tiny
+
+
 @pytest.mark.parametrize("strategy", ["dp", "horovod"])
 def test_16_mixed_trains_with_a_gradient_scaler(workdir, data_dir, strategy):
     """16-mixed on CUDA: Lightning's GradScaler scales the loss; with dp and horovod (mpi backend, nccl) the run

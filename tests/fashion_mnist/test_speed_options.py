@@ -438,6 +438,23 @@ def test_the_cudagraph_probe_counts_what_torchs_logs_say():
     assert (row["recorded"], row["re-recorded"], row["warm-up runs"], row["skipped graphs"]) == (1, 2, 1, 1)
     assert (row["recompiles"], row["perf hints"], row["dynamo unique_graphs"]) == (1, 1, 2)
     assert row["re-record reasons"] == "2x static input data pointer changed"
+    assert row["ms per step"] == 4.0  # the mean step-to-step time (on CPU, the host's): what an epoch takes
+
+
+def test_the_cudagraph_probe_gives_each_variant_its_spread_and_ratio_to_the_plain_loop_of_its_repeat():
+    from bench.cudagraphs import spread
+
+    rows = [
+        {"repeat": 1, "variant": "plain", "ms per step": 4.0},
+        {"repeat": 1, "variant": "cli", "ms per step": 5.0},
+        {"repeat": 2, "variant": "plain", "ms per step": 2.0},
+        {"repeat": 2, "variant": "cli", "ms per step": 2.0},
+        {"repeat": 3, "variant": "plain", "ms per step": 4.0},
+        {"repeat": 3, "variant": "cli", "ms per step": 8.0},
+    ]
+    table = spread(rows).splitlines()
+    assert table[2] == "| plain | 3 | 4.000 (2.000-4.000) | 1.000 (1.000-1.000) |"
+    assert table[3] == "| cli | 3 | 5.000 (2.000-8.000) | 0.800 (0.500-1.000) |"
 
 
 @pytest.mark.slow
@@ -450,6 +467,7 @@ def test_the_cudagraph_probe_runs_its_variants(tmp_path):
         ["--device=cpu", "--no-compile", "--arch=resnet_tiny", "--batch-size=8", "--steps=3"]
         + ["--variants=plain,lightning+mark", "--no-record", f"--data-dir={tmp_path}"]
     )
-    assert [row["variant"] for row in rows] == ["plain", "lightning+mark"]
+    assert [(row["repeat"], row["variant"]) for row in rows] == [(1, "plain"), (1, "lightning+mark")]
+    assert all(row["ms per step"] > 0 for row in rows)
     assert [row["steps"] for row in rows] == [2, 2]  # the timed steps' intervals (the last epoch's, after warm-up)
     assert all(float(row["host ms median/p90/max"].split("/")[0]) > 0 for row in rows)
