@@ -120,12 +120,15 @@ class ResumableLoader(DataLoader):
         # has none, which would shift the dropout masks after a resume): one of its own, seeded by the epoch.
         self.generator.manual_seed(hash((self.seed, self.epoch, sampler.rank)) & 0x7FFF_FFFF_FFFF_FFFF)
         left = sampler.remaining()  # of this rank, in this epoch
-        for batch in super().__iter__():
+        for batch in self._fetch():
             self.batch += 1
             taken = min(self.batch_size, left)
             left -= taken
             self.consumed += taken * sampler.num_replicas
             yield batch
+
+    def _fetch(self) -> Iterator[Any]:
+        return super().__iter__()
 
     def batch_seed(self) -> int:
         """A seed that names the current batch: (loader seed, epoch, batch, rank). Same in a resumed run."""
@@ -145,8 +148,35 @@ class ResumableLoader(DataLoader):
         self.sampler.resume_at(state["epoch"], consumed)
 
 
+class DeviceLoader(ResumableLoader):
+    """A :class:`ResumableLoader` over a dataset of tensors held on the training device: each epoch, this rank's
+    order (the sampler's, so the host loader's batches) is copied to the device once, and every batch is cut there,
+    ``dataset[index]`` with a tensor of indices (``TensorDataset``, ``TensorImageDataset``). No worker, no pinned
+    buffer, no copy per step: the host queues a step's work and moves on (issue 44)."""
+
+    def __init__(self, *args: Any, device: torch.device, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.device = device
+
+    @override
+    def _fetch(self) -> Iterator[Any]:
+        order = torch.tensor(list(iter(self.sampler)), dtype=torch.long).to(self.device)
+        for start in range(0, len(order), self.batch_size):
+            index = order[start : start + self.batch_size]
+            if self.drop_last and len(index) < self.batch_size:
+                return
+            yield self.dataset[index]
+
+
 def make_loader(
-    trainer: Any, dataset: Dataset, *, train: bool, batch_size: int, seed: int = 0, **options: Any
+    trainer: Any,
+    dataset: Dataset,
+    *,
+    train: bool,
+    batch_size: int,
+    seed: int = 0,
+    on_device: bool = False,
+    **options: Any,
 ) -> DataLoader:
     """The template's loader for any map-style dataset, for a data module's ``*_dataloader`` methods::
 
@@ -163,6 +193,11 @@ def make_loader(
     - evaluation: sharded over the ranks without the padding ``DistributedSampler`` adds (each sample counts once).
 
     ``options`` go to ``DataLoader`` (``collate_fn``, ``num_workers``, ...); ``pin_memory`` defaults to True on CUDA.
+
+    ``on_device=True`` (training only) gives a :class:`DeviceLoader`: ``dataset`` must already be on the training
+    device (``strategy.root_device``) and give a whole batch for a tensor of indices (``dataset[index]``), as
+    ``TensorDataset`` and ``app.fashion_mnist.data.TensorImageDataset`` do; the batches are the host loader's, cut on
+    the device (``collate_fn`` is not used).
     """
     strategy = trainer.strategy if trainer is not None else None
     batch_size = batch_size * devices_per_batch(strategy)
@@ -177,6 +212,12 @@ def make_loader(
         sampler = ResumableSampler(
             dataset, num_replicas=shard.get("num_replicas", 1), rank=shard.get("rank", 0), shuffle=True, seed=seed
         )
+        if on_device:
+            if options.get("num_workers", 0) > 0:
+                raise ValueError("on_device=True cuts batches in the training process: num_workers must be 0")
+            options.update(pin_memory=False, persistent_workers=False)
+            device = strategy.root_device if strategy is not None else torch.device("cpu")
+            return DeviceLoader(dataset, sampler=sampler, seed=seed, batch_size=batch_size, device=device, **options)
         return ResumableLoader(dataset, sampler=sampler, seed=seed, batch_size=batch_size, **options)
     if shard:
         sampler = UnrepeatedDistributedSampler(dataset, shard["num_replicas"], shard["rank"], shuffle=False)

@@ -14,6 +14,8 @@ probe says why, in one command. Each variant runs in a fresh process on the same
 - ``+mark`` after any of them: ``torch.compiler.cudagraph_mark_step_begin()`` at the start of every training step
   (:class:`StepMarks` in the ``cli.py`` runs). On an H200 it made Lightning's steps slower (16.0 ms of host time
   against 5.0), so the template does not mark steps.
+- ``+device`` after any of them: the training set held on the device and each batch cut there (``cli.py``'s
+  ``--data.on_device=true``, the plain loop's ``--data-on-device``): no pinned batch, no copy per step.
 - ``+profile`` after a ``cli.py`` variant: the timed epoch under ``cProfile`` (:class:`StepProfile`); where the host's
   time goes, written beside the logs as ``<variant>.profile.txt`` (the step times of that variant include the
   profiler's own cost).
@@ -170,7 +172,7 @@ class StepProfile(Callback):
 # ------------------------------------------------------------------------------------------------ the variants
 def command(variant: str, args, data_dir: Path) -> list[str]:
     variant, *flags = variant.split("+")
-    mark, profile = "mark" in flags, "profile" in flags
+    mark, profile, on_device = "mark" in flags, "profile" in flags, "device" in flags
     base, _, strategy = variant.partition("@")
     if base == "plain":
         cmd = [
@@ -180,7 +182,7 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
             "--channels-last" if args.channels_last else "--no-channels-last",
             "--compile" if args.compile else "--no-compile", f"--compile-mode={args.compile_mode}",
         ]  # fmt: skip
-        return cmd + (["--mark-steps"] if mark else [])
+        return cmd + (["--mark-steps"] if mark else []) + (["--data-on-device"] if on_device else [])
     accelerator = "gpu" if args.device.startswith("cuda") else "cpu"
     cmd = [
         sys.executable, str((args.baseline if base == "baseline" else ROOT) / "cli.py"), "fit",
@@ -204,6 +206,7 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
     else:
         cmd += ["--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=50"]
     cmd += ["--trainer.callbacks+=bench.cudagraphs.StepMarks"] if mark else []
+    cmd += ["--data.on_device=true"] if on_device else []
     return cmd + (["--trainer.callbacks+=bench.cudagraphs.StepProfile"] if profile else [])
 
 

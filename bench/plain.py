@@ -42,7 +42,9 @@ def train(args: argparse.Namespace, device: torch.device, images: torch.Tensor, 
     autocast = args.precision == "bf16-mixed"
     b = args.batch_size
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))
-    pin = device.type == "cuda"  # as the app's DataLoader does (pin_memory=True on GPUs)
+    pin = device.type == "cuda" and not args.data_on_device  # as the app's DataLoader does (pin_memory=True on GPUs)
+    if args.data_on_device:  # as --data.on_device=true does: the set and the order on the device, batches cut there
+        images, labels, order = images.to(device), labels.to(device), order.to(device)
 
     timer = StepTimer(device)
 
@@ -91,6 +93,7 @@ def main() -> None:
     parser.add_argument("--source", default="synthetic", choices=["synthetic", "fashion_mnist"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mark-steps", action="store_true", help="cudagraph_mark_step_begin() before every step")
+    parser.add_argument("--data-on-device", action="store_true", help="the training set on the device (no pinning)")
     parser.add_argument("--step-times", default=os.environ.get(STEP_TIMES), help="write per-step times (JSON) here")
     args = parser.parse_args()
 

@@ -40,7 +40,7 @@ from app.elastic import (
 )
 from app.errors import UserError
 from app.launcher import torchrun_job
-from app.loader import ResumableLoader, ResumableSampler
+from app.loader import DeviceLoader, ResumableLoader, ResumableSampler
 from app.strategies import HorovodStrategy
 from tests import warm
 from tests.conftest import ROOT, TINY_CONFIG, run_cli
@@ -623,12 +623,17 @@ def take_epoch(loaders: list[ResumableLoader], batches: int | None = None) -> li
     return taken
 
 
-def loaders_for(world: int, size: int, state: dict | None = None, drop_last: bool = False) -> list[ResumableLoader]:
+def loaders_for(
+    world: int, size: int, state: dict | None = None, drop_last: bool = False, on_device: bool = False
+) -> list[ResumableLoader]:
     dataset = TensorDataset(torch.arange(size))
     loaders = []
     for rank in range(world):
         sampler = ResumableSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=7, drop_last=drop_last)
-        loader = ResumableLoader(dataset, sampler=sampler, batch_size=BATCH, seed=7)
+        if on_device:  # the training device here is the CPU: the same path, other memory
+            loader = DeviceLoader(dataset, sampler=sampler, batch_size=BATCH, seed=7, device=torch.device("cpu"))
+        else:
+            loader = ResumableLoader(dataset, sampler=sampler, batch_size=BATCH, seed=7)
         if state is None:
             sampler.set_epoch(3)
         else:
@@ -664,6 +669,23 @@ def test_the_same_world_size_resumes_the_exact_order_and_padding_of_an_unbroken_
     rest = take_epoch(loaders_for(3, size, first[0].state_dict()))
     whole = take_epoch(loaders_for(3, size))
     assert head + rest == whole
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_device_loader_hands_out_the_host_loaders_batches_and_resumes_as_it_does(drop_last):
+    """``--data.on_device`` (app.loader.DeviceLoader): the epoch's order cut on the device gives the host loader's
+    batches, rank by rank, and a stop part-way resumes into the rest of them (50 samples over 3 ranks: padded, or
+    cut with drop_last)."""
+    size = 50
+    host, device = loaders_for(3, size, drop_last=drop_last), loaders_for(3, size, drop_last=drop_last, on_device=True)
+    assert [len(loader) for loader in device] == [len(loader) for loader in host]
+    whole = take_epoch(host)
+    assert take_epoch(device) == whole and len(whole) == (48 if drop_last else 51)
+    first = loaders_for(3, size, drop_last=drop_last, on_device=True)
+    head = take_epoch(first, batches=2)
+    state = first[0].state_dict()
+    assert state == {"epoch": 3, "batches": 2, "samples": 2 * BATCH * 3, "world_size": 3}
+    assert head + take_epoch(loaders_for(3, size, state, drop_last=drop_last, on_device=True)) == whole
 
 
 def test_a_checkpoint_without_the_global_position_resumes_as_before():

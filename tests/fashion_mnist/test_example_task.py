@@ -44,6 +44,34 @@ def test_an_augmented_run_stopped_mid_epoch_resumes_bit_identical(tmp_path, data
     assert_same_weights(last_ckpt(versions(tmp_path / "stopped")[-1]), last_ckpt(expected))
 
 
+def test_batches_cut_on_the_device_train_as_the_host_loaders_through_a_stop_and_resume(tmp_path, data_dir):
+    """``--data.on_device=true`` (the training set on the device, batches cut there): stopped mid-epoch and resumed,
+    the same weights as an unbroken run on the host's loader, augmentation included (on the CPU both draw there)."""
+    augmented = ("--data.augment=true", "--trainer.max_epochs=2", "--trainer.limit_train_batches=4")
+    for name in ("host", "device"):
+        (tmp_path / name).mkdir()
+    host = fit(tmp_path / "host", data_dir, *augmented)
+    assert host.returncode == 0, host.stderr[-3000:]
+    on_device = (*augmented, "--data.on_device=true")
+    stopped = fit(tmp_path / "device", data_dir, *on_device, signal_at_step(5, "SIGTERM", 0))
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    resumed = fit(tmp_path / "device", data_dir, *on_device, "--ckpt_path=last")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert 5 <= last_ckpt(versions(tmp_path / "device")[0])["global_step"] < 8  # stopped inside epoch 1
+    [expected] = versions(tmp_path / "host")
+    assert_same_weights(last_ckpt(versions(tmp_path / "device")[-1]), last_ckpt(expected))
+
+
+def test_on_device_with_workers_is_one_clear_error(workdir, data_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}", "--data.on_device=true",
+                "--data.num_workers=2")  # fmt: skip
+    assert exit_info.value.code != 0
+    err = capsys.readouterr().err
+    assert "--data.on_device=true cuts batches on the device" in err and "--data.num_workers=2" in err
+    assert not (workdir / "lightning_logs").exists()
+
+
 def test_a_resume_uses_the_training_settings_given_and_records_them(workdir, data_dir):
     """The network and unstated settings come from the checkpoint; a stated lr and label smoothing are used (the
     restored optimizer state gets the new lr), named in one notice, and written to the run's config.yaml."""

@@ -64,6 +64,17 @@ def _fit(data_dir, *args: str) -> list[dict]:
 )
 def test_no_cuda_sync_inside_training_steps(workdir, data_dir, strategy, compiled):
     """Compiled with CUDA graphs too: a graph re-recorded at every step (issue 44) synchronises, and fails here."""
+    _fit_without_sync(data_dir, strategy, compiled)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_no_cuda_sync_inside_training_steps_with_the_training_set_on_the_device(workdir, data_dir, compiled):
+    """``--data.on_device=true``: the epoch's order copied once, batches and augmentation's random numbers drawn on
+    the GPU."""
+    _fit_without_sync(data_dir, "auto", compiled, "--data.on_device=true")
+
+
+def _fit_without_sync(data_dir, strategy: str, compiled: bool, *args: str) -> None:
     compile_flags = ["--model.compile=true", "--model.compile_mode=reduce-overhead"] if compiled else []
     rows = _fit(
         data_dir,
@@ -71,6 +82,7 @@ def test_no_cuda_sync_inside_training_steps(workdir, data_dir, strategy, compile
         "--trainer.devices=1",
         "--trainer.callbacks+=tests.fashion_mnist.test_gpu_recipe.NoSyncInSteps",
         *compile_flags,
+        *args,
     )
     assert any(r.get("train/acc") for r in rows)  # the epoch finished and logged
 

@@ -459,15 +459,15 @@ def test_the_cudagraph_probe_gives_each_variant_its_spread_and_ratio_to_the_plai
 
 @pytest.mark.slow
 def test_the_cudagraph_probe_runs_its_variants(tmp_path):
-    """The probe a GPU session runs in one command, on CPU and eager: the plain loop and Lightning alone with step
-    marks, each timed step by step in a fresh process."""
+    """The probe a GPU session runs in one command, on CPU and eager: the plain loop, and Lightning alone with step
+    marks and the training set on the device, each timed step by step in a fresh process."""
     from bench.cudagraphs import main
 
     rows = main(
         ["--device=cpu", "--no-compile", "--arch=resnet_tiny", "--batch-size=8", "--steps=3"]
-        + ["--variants=plain,lightning+mark", "--no-record", f"--data-dir={tmp_path}"]
+        + ["--variants=plain,lightning+mark+device", "--no-record", f"--data-dir={tmp_path}"]
     )
-    assert [(row["repeat"], row["variant"]) for row in rows] == [(1, "plain"), (1, "lightning+mark")]
+    assert [(row["repeat"], row["variant"]) for row in rows] == [(1, "plain"), (1, "lightning+mark+device")]
     assert all(row["ms per step"] > 0 for row in rows)
     assert [row["steps"] for row in rows] == [2, 2]  # the timed steps' intervals (the last epoch's, after warm-up)
     assert all(float(row["host ms median/p90/max"].split("/")[0]) > 0 for row in rows)
