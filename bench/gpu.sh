@@ -47,7 +47,7 @@ for step in "$@"; do
         $PY -c 'import torch, lightning, torchmetrics, jsonargparse; print("torch", torch.__version__, "lightning", lightning.__version__, "torchmetrics", torchmetrics.__version__, "jsonargparse", jsonargparse.__version__)'
         ;;
     probe)  # VARIANTS: see bench/cudagraphs.py (+profile: where the host's time goes)
-        variants=${VARIANTS:-plain,cli,cli@ddp,lightning}
+        variants=${VARIANTS:-plain,plain+device,cli,cli+device,cli@ddp+device}
         [ -d .gpu/baseline ] && variants=$variants,baseline  # a checkout of the commit to compare with
         section probe "${PROBE_LIMIT:-190}" $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
             --channels-last --compile-mode reduce-overhead --steps 60 --variants $variants --baseline "$PWD/.gpu/baseline" \
@@ -55,7 +55,7 @@ for step in "$@"; do
         ;;
     eager)  # the probe without compiling: cli.py fit under auto, dp and ddp on one GPU against the plain loop
         section eager "${EAGER_LIMIT:-150}" $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
-            --channels-last --no-compile --steps 60 --variants "${EAGER_VARIANTS:-plain,cli,cli@dp,cli@ddp}" \
+            --channels-last --no-compile --steps 60 --variants "${EAGER_VARIANTS:-plain+device,cli+device,cli@dp+device,cli@ddp+device}" \
             --repeats "${REPEATS:-1}"
         ;;
     bench)
