@@ -151,7 +151,7 @@ class ResumableLoader(DataLoader):
 class DeviceLoader(ResumableLoader):
     """A :class:`ResumableLoader` over a dataset of tensors held on the training device: each epoch, this rank's
     order (the sampler's, so the host loader's batches) is copied to the device once, and every batch is cut there,
-    ``dataset[index]`` with a tensor of indices (``TensorDataset``, ``TensorImageDataset``). No worker, no pinned
+    ``dataset[index]`` with a tensor of indices (as ``TensorDataset`` gives). No worker, no pinned
     buffer, no copy per step: the host queues a step's work and moves on (issue 44)."""
 
     def __init__(self, *args: Any, device: torch.device, **kwargs: Any) -> None:
@@ -196,8 +196,7 @@ def make_loader(
 
     ``on_device=True`` (training only) gives a :class:`DeviceLoader`: ``dataset`` must already be on the training
     device (``strategy.root_device``) and give a whole batch for a tensor of indices (``dataset[index]``), as
-    ``TensorDataset`` and ``app.fashion_mnist.data.TensorImageDataset`` do; the batches are the host loader's, cut on
-    the device (``collate_fn`` is not used).
+    ``TensorDataset`` does; the batches are the host loader's, cut on the device (``collate_fn`` is not used).
     """
     strategy = trainer.strategy if trainer is not None else None
     batch_size = batch_size * devices_per_batch(strategy)
