@@ -866,14 +866,14 @@ def test_a_checkpoint_from_a_newer_format_is_refused_in_one_line(tmp_path):
 
 
 def test_batch_counts_that_the_new_world_cannot_share_are_refused_in_one_line():
-    from app.callbacks import Elastic
+    from app.callbacks.elastic.world_size import rescale_batch_counts
 
     trainer = SimpleNamespace(limit_train_batches=4, limit_val_batches=1.0, val_check_interval=None)
-    Elastic()._rescale_batch_counts(trainer, before=2, now=4)
+    rescale_batch_counts(trainer, before=2, now=4)
     assert (trainer.limit_train_batches, trainer.limit_val_batches, trainer.val_check_interval) == (2, 1.0, None)
     trainer.limit_train_batches = 4
     with pytest.raises(UserError) as error:
-        Elastic()._rescale_batch_counts(trainer, before=2, now=3)
+        rescale_batch_counts(trainer, before=2, now=3)
     assert str(error.value).startswith("--trainer.limit_train_batches=4 counts batches per device, 8 over the 2")
     assert "\n" not in str(error.value)
 
@@ -911,8 +911,9 @@ def test_a_save_from_the_watchdog_thread_waits_for_the_step_in_flight_and_holds_
 
     def elastic_with(saved: list) -> Elastic:
         callback = Elastic()
-        callback._step_lock, callback._saving = threading.Lock(), threading.Lock()
-        callback._save_after_failure = lambda trainer, exception: saved.append(time.monotonic()) or True
+        failure = callback.failure  # app/callbacks/elastic/failure.py
+        failure._step_lock, failure._saving = threading.Lock(), threading.Lock()
+        failure._save_after_failure = lambda trainer, exception: saved.append(time.monotonic()) or True
         return callback
 
     trainer = SimpleNamespace()
@@ -925,7 +926,7 @@ def test_a_save_from_the_watchdog_thread_waits_for_the_step_in_flight_and_holds_
     time.sleep(0.5)
     assert not saved  # not during the step
     recorded = time.monotonic()
-    elastic._step_recorded()  # on_train_batch_end recorded the step's position
+    elastic.on_train_batch_end(trainer, None, None, None, 0)  # the step's position recorded (not restartable here)
     save.join(10)
     assert result == {"done": True} and saved and saved[0] >= recorded
     stepped = threading.Event()
@@ -941,4 +942,4 @@ def test_a_save_from_the_watchdog_thread_waits_for_the_step_in_flight_and_holds_
     hung = elastic_with(saved)
     hung.on_before_optimizer_step(trainer, None, None)  # and never leaves the step
     assert hung.save_from_watchdog(trainer, wait=0.3) is False and not saved
-    assert hung._saving.acquire(blocking=False)  # the training thread can still save, if its collective fails
+    assert hung.failure._saving.acquire(blocking=False)  # the training thread can still save, if its collective fails

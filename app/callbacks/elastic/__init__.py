@@ -1,0 +1,20 @@
+"""Carry a run across a change of world size, and across a lost node when the launcher restarts the job.
+
+:class:`Elastic` is on by default and does three jobs, each only where it applies, each in a module of its own:
+
+- :mod:`~app.callbacks.elastic.world_size`: a resume at another world size (an elastic restart, or ``--ckpt_path``
+  with other ``--trainer.devices`` or nodes) lines the batches up with the re-dealt epoch and keeps the global batch;
+- :mod:`~app.callbacks.elastic.failure`: a failure under a restarting launcher (torchrun ``--max-restarts`` > 0, the
+  horovod launcher's restarts): each survivor writes the state after the last completed step, and the restart
+  resumes from it;
+- :mod:`~app.callbacks.elastic.metrics`: the restarted run keeps one ``metrics.csv``.
+
+:class:`ElasticRunFolder` (:mod:`~app.callbacks.elastic.run_folder`) keeps a torchrun job's restarts in one run folder.
+"""
+
+from app.callbacks.elastic.callback import Elastic
+from app.callbacks.elastic.failure import say
+from app.callbacks.elastic.metrics import METRICS_ROWS_TO_KEEP, keep_metrics_rows
+from app.callbacks.elastic.run_folder import ElasticRunFolder
+
+__all__ = ["METRICS_ROWS_TO_KEEP", "Elastic", "ElasticRunFolder", "keep_metrics_rows", "say"]

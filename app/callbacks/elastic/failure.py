@@ -1,0 +1,244 @@
+"""A failure under a restarting launcher, the second of :class:`~app.callbacks.Elastic`'s jobs.
+
+With torchrun ``--max-restarts`` > 0 (or the horovod launcher's restarts), when a rank dies the others' next collective
+fails. All ranks hold the same weights and optimizer state after every step, so each survivor writes ``last.ckpt`` at
+that moment, with the loop and loader position of the last completed optimizer step (recorded after every step: a few
+integers), and exits non-zero; the launcher restarts the job, which resumes from it. Only the step in flight is done
+again. Nothing is written per step.
+
+Where no collective fails (a cut link or a hung host closes no connection, and gloo then waits for good), the rank
+watchdog's verdict has the state written from its own thread (:meth:`SaveOnFailure.save_from_watchdog`), with the
+training thread held at its next optimizer step. A failure in a validation (or right before one) saves the state at
+that validation's start, with the checkpoint callbacks' state from before it: the restart validates the epoch again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+from app.callbacks.elastic.metrics import MetricsContinuation
+from app.callbacks.progress import console_print
+from app.callbacks.rank_watchdog import REJOIN, RankWatchdog
+from app.checkpoint_io import SafeCheckpointIO
+from app.elastic import report_saved_state, restarts_left, saved_state_announcer
+from app.errors import UserError
+from app.lightning_internals import (
+    fit_loop_state,
+    put_fit_loop_state,
+    restart_validation,
+    resume_into_validation,
+    saving_alone,
+    step_row,
+    validation_follows,
+)
+from app.strategies.parallelism import parallelism
+
+
+def say(trainer, message: str) -> None:
+    """A line from any rank (a survivor may be rank 3): rank 0's above its progress bar, the others' on stderr."""
+    if trainer.is_global_zero:
+        console_print(trainer, message)
+    else:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+
+
+class SaveOnFailure:
+    def __init__(self, metrics: MetricsContinuation) -> None:
+        self.metrics = metrics  # which rows of metrics.csv a restart keeps, written beside the state
+        self.last_step: tuple[int, dict] | None = None  # (global step, loops' state after it)
+        self.step_row: dict | None = None  # the row the loop logs for the last step (step_row)
+        self.saving_loops: dict | None = None  # while saving: what on_save_checkpoint puts in the checkpoint
+        self.saving_row: dict | None = None
+        self.checkpointers_before_validation: dict | None = None
+        self.validation_started = 0.0  # time.time() at the start of the validation since the last step
+        self.saved_after_failure: str | None = None  # the last.ckpt this rank wrote when its collective failed
+        # Held from each optimizer step until its position is recorded, and by a save from the watchdog thread,
+        # which then holds the training thread at its next step (save_from_watchdog). Made by arm().
+        self._step_lock: threading.Lock | None = None
+        self._in_step = False
+        self._saving: threading.Lock | None = None  # one save after a failure, from whichever thread comes first
+
+    def __getstate__(self) -> dict:
+        # the horovod self-launch pickles the trainer into its ranks; locks do not pickle (and are made per start)
+        return {**self.__dict__, "_step_lock": None, "_in_step": False, "_saving": None}
+
+    def arm(self, trainer) -> None:
+        """A lost peer's verdict waits until this rank saved (on_exception), or has it save from its own thread."""
+        self._step_lock, self._in_step, self._saving = threading.Lock(), False, threading.Lock()
+        for watchdog in trainer.callbacks:
+            if isinstance(watchdog, RankWatchdog):
+                watchdog.expect_save(save_now=lambda wait: self.save_from_watchdog(trainer, wait))
+
+    def validation_start(self, trainer) -> None:
+        # What the checkpoint callbacks knew before this validation: a failure in it (in its epoch checkpoint's
+        # save, say) restarts it, and their state must not say that its step was saved or which file is best.
+        self.checkpointers_before_validation = {
+            c.state_key: copy.deepcopy(c.state_dict()) for c in trainer.checkpoint_callbacks
+        }
+        self.validation_started = time.time()
+
+    def before_optimizer_step(self) -> None:
+        # After the backward (and its gradient all-reduce), before the weights change: from here until the step's
+        # position is recorded (train_batch_end) a save from the watchdog thread waits; once one has begun, this
+        # blocks until the watchdog ends the process.
+        if self._step_lock is not None and not self._in_step:
+            self._step_lock.acquire()
+            self._in_step = True
+
+    def step_recorded(self) -> None:
+        if self._in_step:
+            self._in_step = False
+            self._step_lock.release()
+
+    def train_batch_end(self, trainer, restartable: bool) -> None:
+        try:
+            if restartable:
+                self._record_step(trainer)
+        finally:
+            self.step_recorded()
+
+    def _record_step(self, trainer) -> None:
+        if self.last_step is None or self.last_step[0] != trainer.global_step:
+            # The position after an optimizer step, where Lightning's own step checkpoints are taken: the loops' and
+            # the loader's counters, in new dicts (~0.2 ms on a slow 2-core CPU, once per optimizer step). Before a
+            # validation (an epoch's last batch), as the state at its start: a restart from there runs it.
+            loops = fit_loop_state(trainer)
+            if validation_follows(trainer):
+                resume_into_validation(loops)
+            self.last_step = (trainer.global_step, loops)
+            # The row the loop logs for this step right after this hook: if rank 0 dies in between, the restart
+            # (which goes on after the step) writes it from a survivor's values.
+            self.step_row = step_row(trainer)
+            self.metrics.step_done()  # no validation since this step (yet)
+            self.checkpointers_before_validation = None
+
+    def save_checkpoint(self, checkpoint: dict, state_key: str) -> None:
+        """on_save_checkpoint: a save after a failure writes the last step's position, not the loops' current one."""
+        if self.saving_loops is None:
+            return
+        put_fit_loop_state(checkpoint, self.saving_loops)
+        if self.saving_row is not None:
+            checkpoint.setdefault("callbacks", {}).setdefault(state_key, {})["step_row"] = self.saving_row
+        states = checkpoint.setdefault("callbacks", {})
+        for key, before in (self.checkpointers_before_validation or {}).items():  # the restart does it again
+            now = states.get(key, {})
+            # the file being written is last.ckpt, as now (else the restart's save_last writes last-v1.ckpt)
+            states[key] = {**copy.deepcopy(before), "last_model_path": now.get("last_model_path", "")}
+
+    def exception(self, trainer, exception: BaseException) -> None:
+        if isinstance(exception, UserError | KeyboardInterrupt | SystemExit):
+            return  # SystemExit: a preemption, which saved its own checkpoint, or a deliberate stop
+        self.step_recorded()  # a step that raised: the watchdog thread must not wait for it
+        watchdogs = [c for c in trainer.callbacks if isinstance(c, RankWatchdog)]
+        reported = False
+        # A save that the watchdog thread began first (it took the lock) ends the process before this goes on.
+        with self._saving if self._saving is not None else contextlib.nullcontext():
+            try:
+                reported = self._save_after_failure(trainer, exception)
+            finally:  # the rank watchdog kept this process alive for the save: it may end it now
+                for watchdog in watchdogs:
+                    watchdog.save_over(reported)
+
+    def save_from_watchdog(self, trainer, wait: float) -> bool:
+        """Write the state of the last step from the rank watchdog's thread: a peer is lost and no collective failed
+        (a cut link or a hung host: gloo waits for good, and the training thread with it). The training thread is held
+        at its next optimizer step meanwhile, so the weights and the optimizer's state stay those of the recorded
+        step. False when the training thread is saving already, or has been inside an optimizer step for ``wait``
+        seconds (hung there: its weights may be half updated), and nothing is written here."""
+        if self._saving is None or not self._saving.acquire(blocking=False):
+            return False
+        if not self._step_lock.acquire(timeout=wait):
+            self._saving.release()
+            return False
+        return self._save_after_failure(trainer, None)  # the process ends after it, with both locks held
+
+    def _drop_untracked_checkpoints(self, trainer) -> None:
+        """Checkpoints written since the validation that the restart does again (its epoch checkpoint, written on
+        rank 0 before a peer died in the same save) and that the saved state does not know: the restart writes them
+        again, under the same name (left there, Lightning would name its own ``-v1`` and never remove the first)."""
+        known = set()
+        for state in self.checkpointers_before_validation.values():
+            known |= {*state.get("best_k_models", {}), state.get("best_model_path"), state.get("last_model_path")}
+        for callback in trainer.checkpoint_callbacks:
+            folder = Path(callback.dirpath) if getattr(callback, "dirpath", None) else None
+            for path in folder.glob("*.ckpt") if folder and folder.is_dir() else ():
+                if path.name.startswith("last") or str(path) in known:
+                    continue
+                with contextlib.suppress(OSError):  # another survivor may have removed it first
+                    if path.stat().st_mtime >= self.validation_started:
+                        path.unlink()
+
+    def _save_after_failure(self, trainer, exception: BaseException | None) -> bool:
+        """Write ``last.ckpt`` with the state after the last completed step; True when a line said what happened.
+        ``exception``: the failed collective's, or None from the watchdog thread (whose line said what failed)."""
+        if trainer.state.fn != "fit" or self.last_step is None or trainer.checkpoint_callback is None:
+            return False
+        step, loops = self.last_step
+        if trainer.global_step != step:
+            return False  # failed between an optimizer step and its batch's end: the weights are past the position
+        if parallelism(trainer.strategy).sharded:  # fsdp, pipeline: no rank holds the whole state, and the
+            # lost one's part is gone with it; the restart goes on from the last checkpoint on disk, as a resume would
+            written = trainer.checkpoint_callback.last_model_path
+            since = f"the last checkpoint written ({written})" if written and Path(written).is_file() else "the start"
+            part = "a stage's layers" if parallelism(trainer.strategy).stages > 1 else "a shard"
+            failure = f"{type(exception).__name__} after step {step}" if exception else f"After step {step}"
+            say(
+                trainer,
+                f"[rank {trainer.global_rank}] {failure}: under "
+                f"{trainer.strategy.strategy_name} each rank holds {part} of the state and the lost rank's is gone, "
+                f"so none is saved here; a restart goes on from {since}",
+            )
+            return True
+        if trainer.validating:  # the weights are the last step's; the restart validates this epoch again in full
+            loops = fit_loop_state(trainer)
+            restart_validation(loops)
+        self.metrics.keep_rows_before_validation(trainer)
+        if self.checkpointers_before_validation:
+            self._drop_untracked_checkpoints(trainer)
+        callback = trainer.checkpoint_callback
+        metrics = dict(trainer.callback_metrics, epoch=trainer.current_epoch, step=step)
+        path = callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST)
+        callback.last_model_path = path
+        strategy = trainer.strategy
+        self.saving_loops = loops
+        self.saving_row = self.step_row
+        # The process group is broken: no barrier after the save, and every survivor writes (rank 0 may be gone).
+        # Under the horovod launcher the save is announced to it before the file is in place (saved_state_announcer):
+        # a rank that the launcher kills at any moment of the save leaves what the launcher then says.
+        announce = saved_state_announcer(trainer.global_rank, str(path))
+        checkpoint_io = strategy.checkpoint_io
+        with saving_alone(strategy) as captured:
+            try:
+                trainer.save_checkpoint(path, weights_only=False)
+                if announce is not None and isinstance(checkpoint_io, SafeCheckpointIO):
+                    checkpoint_io.save_checkpoint(captured["checkpoint"], path, announce=announce)
+                else:
+                    checkpoint_io.save_checkpoint(captured["checkpoint"], path)
+                    report_saved_state(trainer.global_rank, str(path))  # another checkpoint_io: once written
+            except Exception as err:  # noqa: BLE001 - the original failure is what the user must see
+                say(trainer, f"[rank {trainer.global_rank}] could not save the state after step {step}: {err}")
+                return True
+            finally:
+                self.saving_loops = self.saving_row = None
+        self.saved_after_failure = str(path)
+        reason = ""  # from the watchdog thread, its own line said what failed
+        if exception is not None:  # shortened at a word, not "the remote w."
+            reason = f"{type(exception).__name__}: {textwrap.shorten(str(exception), 200, placeholder=' ...')}. "
+        if any(w.cut_off for w in trainer.callbacks if isinstance(w, RankWatchdog)):
+            then = REJOIN
+        elif restarts_left():
+            then = "the launcher restarts the job from there"
+        else:
+            then = "no restart is left: continue with the same command plus --ckpt_path last"
+        say(
+            trainer,
+            f"[rank {trainer.global_rank}] {reason}Saved the state after step {step} to {path}; {then}",
+        )
+        return True
