@@ -48,8 +48,8 @@ def atomic_torch_save(obj: Any, path: str | Path, announce: Callable[[Path], Cal
 
     ``announce``: called with the temporary file as soon as it exists, before anything is written to it; it returns
     what takes the announcement back. Whoever reads the announcement may then tell a save in place from one cut short
-    by a kill (:func:`app.elastic.saved_states`): the temporary file leaves only by its rename onto ``path``, or,
-    when the save fails, after the announcement was taken back."""
+    by a kill (:func:`app.strategies.saved_state.saved_states`): the temporary file leaves only by its rename onto
+    ``path``, or, when the save fails, after the announcement was taken back."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)

@@ -20,7 +20,6 @@ import json
 import os
 import re
 import socket
-from collections.abc import Callable
 from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
@@ -36,63 +35,6 @@ METRICS_BEFORE_RESTART = "metrics.before-restart.csv"
 # Set by the horovod strategy's own mpirun launch (``--trainer.strategy.max_restarts``) in its ranks' environment.
 MPI_RESTARTS_LEFT = "TEMPLATE_MPI_RESTARTS_LEFT"  # how many more times the launcher restarts the ranks
 MPI_RESTART = "TEMPLATE_MPI_RESTART"  # which start this is: 0 first, 1 the first restart, ...
-MPI_LAUNCH_DIR = "TEMPLATE_MPI_LAUNCH_DIR"  # the launcher's private folder, where survivors report their state
-SAVED_STATE = "saved-state"  # a survivor's report: the file ``saved-state-RANK`` names the checkpoint it saves
-
-
-def report_saved_state(rank: int, path: str, pending: Path | None = None) -> None:
-    """Tell the horovod strategy's launcher (if it started this rank) that this rank survived a failure and saves the
-    state of the last completed step to ``path`` (``pending``: the temporary file that becomes ``path``; without it,
-    the save is over); it restarts the ranks that saved."""
-    folder = os.environ.get(MPI_LAUNCH_DIR)
-    if folder and Path(folder).is_dir():
-        entry = {"path": path} if pending is None else {"path": path, "pending": str(pending)}
-        write_text(Path(folder) / f"{SAVED_STATE}-{rank}", json.dumps(entry))
-
-
-def saved_state_announcer(rank: int, path: str) -> Callable[[Path], Callable[[], None]] | None:
-    """Under the horovod strategy's launcher (which started this rank): what tells it that this rank saves the state
-    of the last completed step to ``path``, for :func:`app.checkpoint_io.atomic_torch_save`'s ``announce``; None
-    elsewhere.
-
-    The report is written as soon as the save's temporary file exists, and names it: from then on the temporary file
-    leaves only by its rename onto ``path``, so the launcher, which reads the reports once the ranks are gone, knows
-    whether each save is in place (:func:`saved_states`), whenever a rank was killed. A report written after the
-    rename was missed by a kill in between: the launcher said that no rank saved the state, with ``last.ckpt`` on
-    disk. A save that fails takes its report back before it removes its file."""
-    folder = os.environ.get(MPI_LAUNCH_DIR)
-    if not folder or not Path(folder).is_dir():
-        return None
-
-    def announce(temporary: Path) -> Callable[[], None]:
-        report_saved_state(rank, path, pending=temporary)
-        return lambda: (Path(folder) / f"{SAVED_STATE}-{rank}").unlink(missing_ok=True)
-
-    return announce
-
-
-def saved_states(folder: Path) -> dict[int, str]:
-    """The launcher, once no rank of its mpirun runs any more: rank -> the checkpoint that rank saved, for each rank
-    whose save is in place. The temporary file of a save that was cut short is removed (the checkpoint folder keeps
-    nothing of it), and that save counts as not made: its rename can no longer happen."""
-    saved = {}
-    for report in folder.glob(f"{SAVED_STATE}-*"):
-        try:
-            entry = json.loads(report.read_text())
-            rank, path, pending = int(report.name.rsplit("-", 1)[1]), Path(entry["path"]), entry.get("pending")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            continue
-        if pending is not None:
-            try:
-                Path(pending).unlink()  # still there: the rename never came, and now it cannot
-                continue
-            except FileNotFoundError:
-                pass  # renamed onto the checkpoint (a failed save takes its report back first)
-            except OSError:
-                continue
-        if path.is_file():
-            saved[rank] = str(path)
-    return saved
 
 
 def restarts_possible() -> bool:

@@ -28,20 +28,12 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from app.checkpoint_io import CHECKPOINT_FORMAT, FORMAT_KEY, atomic_torch_save, check_compatible, load_checkpoint
-from app.elastic import (
-    MPI_LAUNCH_DIR,
-    agent_id,
-    finished_run_of,
-    mark_run,
-    run_of,
-    saved_state_announcer,
-    saved_states,
-    take_launcher_numbers,
-)
+from app.elastic import agent_id, finished_run_of, mark_run, run_of, take_launcher_numbers
 from app.errors import UserError
 from app.launcher import torchrun_job
 from app.loader import DeviceLoader, ResumableLoader, ResumableSampler
 from app.strategies import HorovodStrategy
+from app.strategies.saved_state import MPI_LAUNCH_DIR, saved_state_announcer, saved_states
 from tests import warm
 from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import MPI_ENV

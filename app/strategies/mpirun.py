@@ -29,20 +29,14 @@ from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
 from app.atomic import atomic_write
-from app.elastic import (
-    MPI_LAUNCH_DIR,
-    MPI_RESTART,
-    MPI_RESTARTS_LEFT,
-    SAVED_STATE,
-    keep_metrics_for_restart,
-    saved_states,
-)
+from app.elastic import MPI_RESTART, MPI_RESTARTS_LEFT, keep_metrics_for_restart
 from app.errors import Diverged, Preempted, UserError
 from app.generators import generator_states
 from app.launcher import launcher_ranks
 from app.lightning_internals import ResultsLauncher, resume_from
 from app.signals import StopSignals, process_alive
 from app.strategies._reaper import kill_ranks, rank_pids
+from app.strategies.saved_state import MPI_LAUNCH_DIR, SAVED_STATE, saved_states
 
 
 class MPILaunchEnvironment(ClusterEnvironment):
@@ -192,7 +186,7 @@ class MPIRunLauncher(ResultsLauncher):
     mpirun and its restart starts none. mpirun runs in a session of its own, so Ctrl-C in a terminal reaches this
     process only: mpirun would otherwise abort the job ("hit ctrl-c again to forcibly terminate") and drop the ranks'
     last lines. A rank that outlives its mpirun (stopped, so deaf to SIGTERM) is SIGKILLed, and gone before the
-    survivors' reports of their saves are read (:func:`app.elastic.saved_states`). If this process dies,
+    survivors' reports of their saves are read (:func:`app.strategies.saved_state.saved_states`). If this process dies,
     mpirun gets SIGTERM from the kernel and ends the ranks, and a reaper (:mod:`app.strategies._reaper`) removes the
     temporary folder, which holds the pickled job.
     """
@@ -413,5 +407,5 @@ def end_leftover_ranks(workdir: Path) -> None:
     write into the run folder while a restart trains there, or after the launcher said no state was saved. It does
     wake: mpirun's exit leaves the ranks' process group orphaned, and the kernel sends a stopped member SIGHUP and
     SIGCONT. It may then save the state before the SIGKILL lands, and be killed at any moment of that save: the
-    launcher reads the ranks' reports only once they are gone (:func:`app.elastic.saved_states`)."""
+    launcher reads the ranks' reports only once they are gone (:func:`app.strategies.saved_state.saved_states`)."""
     kill_ranks(workdir)

@@ -26,7 +26,7 @@ from app.callbacks.elastic.metrics import MetricsContinuation
 from app.callbacks.progress import console_print
 from app.callbacks.rank_watchdog import REJOIN, RankWatchdog
 from app.checkpoint_io import SafeCheckpointIO
-from app.elastic import report_saved_state, restarts_left, saved_state_announcer
+from app.elastic import restarts_left
 from app.errors import UserError
 from app.lightning_internals import (
     fit_loop_state,
@@ -38,6 +38,7 @@ from app.lightning_internals import (
     validation_follows,
 )
 from app.strategies.parallelism import parallelism
+from app.strategies.saved_state import report_saved_state, saved_state_announcer
 
 
 def say(trainer, message: str) -> None:
