@@ -178,12 +178,18 @@ def _cmdline(pid: int) -> list[str]:
         return []
 
 
-def _parent_pid(pid: int) -> int:
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/PID/stat`` after the command's name (state, parent pid, ...); None when unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])  # after "(comm)": state, then ppid
-    except (OSError, ValueError, IndexError):
-        return 0
+            return f.read().rsplit(")", 1)[1].split()  # "(comm)" may hold spaces and parentheses: split after it
+    except (OSError, IndexError):
+        return None
+
+
+def _parent_pid(pid: int) -> int:
+    fields = proc_stat(pid)
+    return int(fields[1]) if fields and len(fields) > 1 and fields[1].isdigit() else 0
 
 
 def _option(args: list[str], *names: str) -> str | None:

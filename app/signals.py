@@ -30,6 +30,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable
 
+from app.launcher import proc_stat
 from app.lightning_internals import spawned_ranks_launcher
 
 # ------------------------------------------------------------------------------------------------ ddp_spawn's launcher
@@ -164,8 +165,5 @@ def process_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+    fields = proc_stat(pid)
+    return not fields or fields[0] != "Z"  # unreadable: os.kill found it, so it runs
