@@ -241,6 +241,7 @@ class RankWatchdog(Callback):
         self._save: threading.Event | None = None  # set when the survivor's save (expect_save) is over
         self._save_now = None  # writes the survivor's state from the verdict's thread (expect_save)
         self.cut_off: TorchrunAgent | None = None  # this node lost the network: its agent, stopped with the process
+        self.verdict: str | None = None  # a cut-off node's verdict, said by the save's line (one line in all)
         self.mpi_daemon: tuple[int, str] | None = None  # a rank on another host fell silent: mpirun, stopped with it
         self.before_exit: list = []  # callables run before the verdict ends the process (the CLI's run folder)
         self._save_reported = False
@@ -295,14 +296,24 @@ class RankWatchdog(Callback):
             if self._sharded():
                 _say(f"{lost} Stopping this rank when its next collective fails, within {self.timeout:g} s")
             else:
-                _say(f"{lost} Saving this rank's state first")
+                # Cut off, no collective can fail: the save from this thread says the verdict in its own line
+                one_line = self.cut_off is not None and self._save_now is not None
+                if not one_line:
+                    _say(f"{lost} Saving this rank's state first")
                 if not save.wait(2 * self.interval) and self._save_now is not None:
+                    self.verdict = lost if one_line else None
                     try:
                         if self._save_now(self.timeout):
                             self.save_over(reported=True)
+                        elif one_line:  # the training thread saves (or is stuck in a step): the verdict first
+                            _say(f"{lost} Saving this rank's state first")
                     except Exception as err:  # noqa: BLE001 - say it, and end as without a save
                         _say(f"error: [rank {me}] could not save its state: {type(err).__name__}: {err}")
                         self.save_over(reported=False)
+                    finally:
+                        self.verdict = None
+                elif one_line:  # the training thread's collective failed after all, and it saved: its line follows
+                    _say(f"{lost} Saving this rank's state first")
             if not save.wait(self.timeout):
                 lost = (
                     f"error: [rank {me}] {'' if self._sharded() else 'could not save its state: '}no collective "

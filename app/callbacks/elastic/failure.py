@@ -229,17 +229,18 @@ class SaveOnFailure:
             finally:
                 self.saving_loops = self.saving_row = None
         self.saved_after_failure = str(path)
-        reason = ""  # from the watchdog thread, its own line said what failed
+        watchdogs = [w for w in trainer.callbacks if isinstance(w, RankWatchdog)]
+        said = f"[rank {trainer.global_rank}] "  # from the watchdog thread, its own line said what failed
         if exception is not None:  # shortened at a word, not "the remote w."
-            reason = f"{type(exception).__name__}: {textwrap.shorten(str(exception), 200, placeholder=' ...')}. "
-        if any(w.cut_off for w in trainer.callbacks if isinstance(w, RankWatchdog)):
-            then = REJOIN
+            said += f"{type(exception).__name__}: {textwrap.shorten(str(exception), 200, placeholder=' ...')}. "
+        verdict = next((w.verdict for w in watchdogs if w.verdict), None)
+        if exception is None and verdict:  # a cut-off node: its verdict and its save in one line
+            said = f"{verdict} "
+        if any(w.cut_off for w in watchdogs):
+            then = REJOIN.split(": ", 1)[1] if said.startswith("error:") else REJOIN  # (the verdict said it lost it)
         elif restarts_left():
             then = "the launcher restarts the job from there"
         else:
             then = "no restart is left: continue with the same command plus --ckpt_path last"
-        say(
-            trainer,
-            f"[rank {trainer.global_rank}] {reason}Saved the state after step {step} to {path}; {then}",
-        )
+        say(trainer, f"{said}Saved the state after step {step} to {path}; {then}")
         return True
