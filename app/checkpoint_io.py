@@ -43,13 +43,21 @@ from app.task import spec_of
 REMOTE_PREFIXES = ("http://", "https://")
 
 
-def atomic_torch_save(obj: Any, path: str | Path, announce: Callable[[Path], Callable[[], None]] | None = None) -> None:
-    """``torch.save(obj, path)`` that never leaves a partial ``path`` behind.
+def atomic_torch_save(
+    obj: Any,
+    path: str | Path,
+    announce: Callable[[Path], Callable[[], None]] | None = None,
+    unless: Callable[[], bool] | None = None,
+) -> bool:
+    """``torch.save(obj, path)`` that never leaves a partial ``path`` behind; True when ``path`` was written.
 
     ``announce``: called with the temporary file as soon as it exists, before anything is written to it; it returns
     what takes the announcement back. Whoever reads the announcement may then tell a save in place from one cut short
     by a kill (:func:`app.strategies.saved_state.saved_states`): the temporary file leaves only by its rename onto
-    ``path``, or, when the save fails, after the announcement was taken back."""
+    ``path``, or, when the save fails, after the announcement was taken back.
+
+    ``unless``: asked once the file is written, just before it replaces ``path``; when it says True, ``path`` is left
+    as it is (the temporary file is removed, the announcement taken back) and the result is False."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -61,6 +69,11 @@ def atomic_torch_save(obj: Any, path: str | Path, announce: Callable[[Path], Cal
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        if unless is not None and unless():
+            if take_back is not None:
+                take_back()
+            Path(tmp).unlink(missing_ok=True)
+            return False
         os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a checkpoint is as readable as any file the run writes
         os.replace(tmp, path)
     except BaseException as err:
@@ -80,6 +93,16 @@ def atomic_torch_save(obj: Any, path: str | Path, announce: Callable[[Path], Cal
         os.fsync(dir_fd)  # the rename itself survives a crash
     finally:
         os.close(dir_fd)
+    return True
+
+
+def saved_at_step(path: str | Path) -> int | None:
+    """The ``global_step`` of the checkpoint at ``path`` (its tensors are mapped, not read); None when there is none
+    or it cannot be read."""
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
+    except Exception:  # noqa: BLE001 - a missing, partial or foreign file: nothing newer to keep
+        return None
 
 
 def _disk_full(folder: Path, err: BaseException) -> str:
@@ -243,13 +266,14 @@ class SafeCheckpointIO(TorchCheckpointIO):
         path: Any,
         storage_options: Any | None = None,
         announce: Callable[[Path], Callable[[], None]] | None = None,
-    ) -> None:
-        """``announce``: as :func:`atomic_torch_save`'s (a survivor's save under the horovod launcher)."""
+        unless: Callable[[], bool] | None = None,
+    ) -> bool:
+        """``announce``, ``unless``: as :func:`atomic_torch_save`'s (a survivor's save after a failure)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
         checkpoint.setdefault(FORMAT_KEY, CHECKPOINT_FORMAT)
         checkpoint[CHECKSUM_KEY] = tensor_digests(checkpoint)
-        atomic_torch_save(checkpoint, path, announce=announce)
+        return atomic_torch_save(checkpoint, path, announce=announce, unless=unless)
 
     @override
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:

@@ -589,6 +589,30 @@ def test_the_horovod_launcher_counts_a_survivors_save_once_it_is_in_place_and_no
     assert saved_state_announcer(0, str(last)) is None  # not under the horovod launcher (torchrun): nothing to tell
 
 
+def test_a_late_save_after_a_failure_leaves_a_later_checkpoint_in_place(tmp_path, monkeypatch):
+    """A node cut off from a shared run folder saves its state late; by then the nodes that went on may have written a
+    later last.ckpt. The save checks just before its rename (atomic_torch_save's ``unless``) and leaves it: the file,
+    its content and the folder are as they were, and a horovod launcher's report is taken back."""
+    from app.checkpoint_io import saved_at_step
+
+    launch, checkpoints = tmp_path / "launch", tmp_path / "checkpoints"
+    launch.mkdir()
+    monkeypatch.setenv(MPI_LAUNCH_DIR, str(launch))
+    last = checkpoints / "last.ckpt"
+    assert saved_at_step(last) is None  # none yet
+    assert atomic_torch_save({"global_step": 12, "w": torch.ones(3)}, last) is True
+    assert saved_at_step(last) == 12
+    later = lambda: (saved_at_step(last) or -1) > 3  # noqa: E731 - the check the survivor's save makes
+    late = {"global_step": 3, "w": torch.zeros(3)}
+    written = atomic_torch_save(late, last, announce=saved_state_announcer(1, str(last)), unless=later)
+    assert written is False and saved_at_step(last) == 12
+    assert torch.load(last, weights_only=True)["w"].tolist() == [1.0, 1.0, 1.0]
+    assert [p.name for p in checkpoints.iterdir()] == ["last.ckpt"] and not list(launch.iterdir())
+    assert atomic_torch_save({"global_step": 13}, last, unless=lambda: (saved_at_step(last) or -1) > 13) is True
+    (checkpoints / "junk.ckpt").write_bytes(b"not a checkpoint")
+    assert saved_at_step(checkpoints / "junk.ckpt") is None
+
+
 def test_horovod_max_restarts_is_checked(monkeypatch):
     with pytest.raises(UserError, match=r"max_restarts=-1 must be >= 0"):
         HorovodStrategy(max_restarts=-1)

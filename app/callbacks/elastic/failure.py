@@ -25,7 +25,7 @@ from pathlib import Path
 from app.callbacks.elastic.metrics import MetricsContinuation
 from app.callbacks.progress import console_print
 from app.callbacks.rank_watchdog import REJOIN, RankWatchdog
-from app.checkpoint_io import SafeCheckpointIO
+from app.checkpoint_io import SafeCheckpointIO, saved_at_step
 from app.elastic import restarts_left
 from app.errors import UserError
 from app.lightning_internals import (
@@ -215,11 +215,19 @@ class SaveOnFailure:
         # a rank that the launcher kills at any moment of the save leaves what the launcher then says.
         announce = saved_state_announcer(trainer.global_rank, str(path))
         checkpoint_io = strategy.checkpoint_io
+        newer = None
         with saving_alone(strategy) as captured:
             try:
                 trainer.save_checkpoint(path, weights_only=False)
-                if announce is not None and isinstance(checkpoint_io, SafeCheckpointIO):
-                    checkpoint_io.save_checkpoint(captured["checkpoint"], path, announce=announce)
+                if isinstance(checkpoint_io, SafeCheckpointIO):
+                    # A node cut off from a shared run folder saves late: the nodes that went on may have written
+                    # a later last.ckpt by then, which stays (checked just before the rename)
+                    def later() -> bool:
+                        nonlocal newer
+                        newer = saved_at_step(path)
+                        return newer is not None and newer > step
+
+                    checkpoint_io.save_checkpoint(captured["checkpoint"], path, announce=announce, unless=later)
                 else:
                     checkpoint_io.save_checkpoint(captured["checkpoint"], path)
                     report_saved_state(trainer.global_rank, str(path))  # another checkpoint_io: once written
@@ -228,7 +236,11 @@ class SaveOnFailure:
                 return True
             finally:
                 self.saving_loops = self.saving_row = None
-        self.saved_after_failure = str(path)
+        if newer is not None and newer > step:
+            saved = f"{path} holds step {newer}, later than this rank's step {step}, and stays as it is"
+        else:
+            self.saved_after_failure = str(path)
+            saved = f"Saved the state after step {step} to {path}"
         watchdogs = [w for w in trainer.callbacks if isinstance(w, RankWatchdog)]
         said = f"[rank {trainer.global_rank}] "  # from the watchdog thread, its own line said what failed
         if exception is not None:  # shortened at a word, not "the remote w."
@@ -242,5 +254,5 @@ class SaveOnFailure:
             then = "the launcher restarts the job from there"
         else:
             then = "no restart is left: continue with the same command plus --ckpt_path last"
-        say(trainer, f"{said}Saved the state after step {step} to {path}; {then}")
+        say(trainer, f"{said}{saved}; {then}")
         return True
