@@ -13,7 +13,9 @@ Nothing leaves the two namespaces: they hold no route but their own /24, so traf
 
 Faults: :meth:`TwoNodes.cut` / :meth:`TwoNodes.restore` take the link down and up (``ip link set eth0 down``: no
 reset is sent, as when a cable is pulled); :meth:`Node.drop` / :meth:`Node.undrop` drop packets to and from the
-peer with iptables (:func:`iptables_available`). ``tc netem`` is not in these kernels.
+peer with iptables (:func:`iptables_available`). ``tc netem`` is not in these kernels: ``TwoNodes(delay_ms=D)``
+joins the nodes by TAP devices and a program that carries each frame D ms late (tests/wire.py) instead of a veth
+pair.
 
 Clean-up on every path: leaving the ``with`` block (a test that passed, failed or was interrupted; SIGTERM is turned
 into KeyboardInterrupt while the block runs, where nothing else handles it) kills every process in both namespaces
@@ -257,8 +259,10 @@ class Node:
 class TwoNodes:
     """Two namespace nodes joined by a veth pair (module docstring); a context manager that always cleans up."""
 
-    def __init__(self, names: tuple[str, str] = ("a", "b")) -> None:
+    def __init__(self, names: tuple[str, str] = ("a", "b"), delay_ms: float = 0) -> None:
+        """``delay_ms``: each packet arrives that late (the link is then tests/wire.py's, not a veth pair)."""
         run = f"{PREFIX}{os.getpid()}-{next(_counter)}"
+        self.delay_ms = delay_ms
         self.processes: list[subprocess.Popen] = []
         self.a, self.b = (Node(name, f"{run}-{name}", f"{SUBNET}.{i}", self) for i, name in enumerate(names, start=1))
         self.nodes = (self.a, self.b)
@@ -299,11 +303,24 @@ class TwoNodes:
             _ip("netns", "add", node.netns)
         # made inside the namespaces: no name in the host's own namespace, where parallel runs could clash
         a, b = self.nodes
-        _ip("link", "add", INTERFACE, "netns", a.netns, "type", "veth", "peer", "name", INTERFACE, "netns", b.netns)
+        if self.delay_ms:
+            self._delayed_link()
+        else:
+            _ip("link", "add", INTERFACE, "netns", a.netns, "type", "veth", "peer", "name", INTERFACE, "netns", b.netns)
         for node in self.nodes:
             _ip("-n", node.netns, "addr", "add", f"{node.address}/24", "dev", INTERFACE)
             _ip("-n", node.netns, "link", "set", "lo", "up")
             _ip("-n", node.netns, "link", "set", INTERFACE, "up")
+
+    def _delayed_link(self) -> None:
+        """A TAP device ``eth0`` in each namespace, joined by tests/wire.py with ``delay_ms`` each way."""
+        wire = subprocess.Popen(
+            [sys.executable, "-m", "tests.wire", self.a.netns, self.b.netns, str(self.delay_ms)],
+            stdout=subprocess.PIPE, text=True, start_new_session=True, cwd=Path(__file__).resolve().parents[1],
+        )  # fmt: skip
+        self.processes.append(wire)
+        if wire.stdout.readline().strip() != "ready":
+            raise NetnsError(f"tests/wire.py did not start (exit {wire.wait(10)})")
 
     def close(self) -> list[str]:
         """Kill every process started here or living in the namespaces, remove the namespaces and their /etc/netns

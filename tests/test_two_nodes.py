@@ -164,6 +164,21 @@ def test_ddp_under_torchrun_trains_across_two_nodes_with_the_docs_command(nodes,
 
 
 @pytest.mark.slow
+def test_the_latency_bench_runs_the_docs_command_over_a_link_that_carries_packets_late():
+    """bench.latency (docs/multi-node.md's latency figures): the link of tests/wire.py holds each frame 10 ms each
+    way, so a round trip takes at least 20 ms, and the docs' torchrun command trains over it. (What it costs a step is
+    the bench's figure, not asserted here: the machine's load moves step times more than a few round trips.)"""
+    ok, why = netns_available()
+    if not ok:
+        pytest.skip(why)
+    from bench.latency import main
+
+    plain, late = main(["--delays", "0", "10", "--steps", "4", "--epochs", "1", "--no-record"])
+    assert plain["round trip ms"] < 10 <= 20 <= late["round trip ms"] < 200, (plain, late)
+    assert plain["ms per step"] > 0 and late["ms per step"] > 0 and "added / round trip" in late
+
+
+@pytest.mark.slow
 def test_horovod_under_mpirun_trains_across_two_nodes_with_the_docs_command(nodes, tmp_path):
     """docs/multi-node.md's mpirun command with ``--trainer.strategy=horovod --trainer.num_nodes=2`` (its
     configs/multinode_horovod.yaml), started once on node ``a``: Open MPI reaches node ``b`` through an ssh
