@@ -50,11 +50,14 @@ def step_ms(log: str) -> float:
     return float(found[-1].replace(",", ""))
 
 
-def run(delay_ms: float, steps: int, epochs: int) -> dict:
+def run(delay_ms: float, steps: int, epochs: int, slow_start_after_idle: bool = True) -> dict:
     from tests.netns import TwoNodes
     from tests.test_two_nodes import doc_commands, node_env, on_two_cpu_nodes
 
     with TwoNodes(delay_ms=delay_ms) as nodes, tempfile.TemporaryDirectory() as scratch:
+        if not slow_start_after_idle:  # a per-namespace setting: TCP keeps its window between steps
+            for node in nodes.nodes:
+                node.run(["sysctl", "-q", "-w", "net.ipv4.tcp_slow_start_after_idle=0"]).check_returncode()
         rtt = float(nodes.a.run([sys.executable, "-c", RTT_PROBE.format(address=nodes.b.address)]).stdout)
         root = Path(scratch) / "runs"
         logs, processes = {}, {}
@@ -82,10 +85,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--epochs", type=int, default=2, help="the last epoch's median step is reported")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each delay (the median is reported)")
     parser.add_argument("--no-record", action="store_true", help="print only (no bench/results files)")
+    parser.add_argument("--keep-window", action="store_true", help="net.ipv4.tcp_slow_start_after_idle=0 on both nodes")
     args = parser.parse_args(argv)
     rows = []
     for delay in args.delays:
-        runs = [run(delay, args.steps, args.epochs) for _ in range(args.repeats)]
+        runs = [run(delay, args.steps, args.epochs, not args.keep_window) for _ in range(args.repeats)]
         row = {**runs[0], "ms per step": median(r["ms per step"] for r in runs)}
         row["round trip ms"] = median(r["round trip ms"] for r in runs)
         rows.append(row)
@@ -103,7 +107,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for row in rows:
         print(row)
     if not args.no_record:
-        print(record("latency-two-nodes", "bench.latency", rows, columns, notes=notes, device="cpu"))
+        name = "latency-two-nodes" + ("-keep-window" if args.keep_window else "")
+        print(record(name, "bench.latency", rows, columns, notes=notes, device="cpu"))
     return rows
 
 
