@@ -173,9 +173,8 @@ def test_the_latency_bench_runs_the_docs_command_over_a_link_that_carries_packet
         pytest.skip(why)
     from bench.latency import main
 
-    plain, late = main(["--delays", "0", "10", "--steps", "4", "--epochs", "1", "--no-record"])
-    assert plain["round trip ms"] < 10 <= 20 <= late["round trip ms"] < 200, (plain, late)
-    assert plain["ms per step"] > 0 and late["ms per step"] > 0 and "added / round trip" in late
+    [late] = main(["--delays", "10", "--steps", "4", "--epochs", "1", "--no-record"])
+    assert 20 <= late["round trip ms"] < 200 and late["ms per step"] > 0, late
 
 
 @pytest.mark.slow
