@@ -259,10 +259,11 @@ class Node:
 class TwoNodes:
     """Two namespace nodes joined by a veth pair (module docstring); a context manager that always cleans up."""
 
-    def __init__(self, names: tuple[str, str] = ("a", "b"), delay_ms: float = 0) -> None:
-        """``delay_ms``: each packet arrives that late (the link is then tests/wire.py's, not a veth pair)."""
+    def __init__(self, names: tuple[str, str] = ("a", "b"), delay_ms: float = 0, wire: bool = False) -> None:
+        """``delay_ms``: each packet arrives that late; the link is then tests/wire.py's, not a veth pair (also with
+        ``wire=True`` and no delay: the same path, for comparisons)."""
         run = f"{PREFIX}{os.getpid()}-{next(_counter)}"
-        self.delay_ms = delay_ms
+        self.delay_ms, self.wire = delay_ms, wire or delay_ms > 0
         self.processes: list[subprocess.Popen] = []
         self.a, self.b = (Node(name, f"{run}-{name}", f"{SUBNET}.{i}", self) for i, name in enumerate(names, start=1))
         self.nodes = (self.a, self.b)
@@ -303,7 +304,7 @@ class TwoNodes:
             _ip("netns", "add", node.netns)
         # made inside the namespaces: no name in the host's own namespace, where parallel runs could clash
         a, b = self.nodes
-        if self.delay_ms:
+        if self.wire:
             self._delayed_link()
         else:
             _ip("link", "add", INTERFACE, "netns", a.netns, "type", "veth", "peer", "name", INTERFACE, "netns", b.netns)
