@@ -28,6 +28,11 @@ def check_strategy_name(strategy) -> None:
     if strategy not in names:
         close = difflib.get_close_matches(strategy, names, n=3)
         hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+        if "." in strategy:  # a class given as a name: jsonargparse passes a plain string on
+            hint = (
+                f" A class is given as --trainer.strategy.class_path={strategy} (its arguments as "
+                "--trainer.strategy.init_args.NAME=VALUE)."
+            )
         raise UserError(f"--trainer.strategy={strategy!r} is not a strategy.{hint} Available: auto, {', '.join(names)}")
     if strategy in ("dp", "ddp_spawn") and mpi_world_size() > 1:
         raise UserError(

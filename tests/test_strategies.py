@@ -186,6 +186,15 @@ def test_unknown_strategy_lists_every_name_ours_included(workdir, capsys):
     assert not (workdir / "lightning_logs").exists()
 
 
+def test_a_strategy_class_given_as_a_name_is_told_the_class_path_form(workdir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", "--config", str(TINY_CONFIG), "--trainer.strategy=app.strategies.DDPStrategy")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "A class is given as --trainer.strategy.class_path=app.strategies.DDPStrategy" in err
+    assert not (workdir / "lightning_logs").exists()
+
+
 def test_ddp_spawn_inside_mpi_launch_is_refused(workdir, capsys, monkeypatch):
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")

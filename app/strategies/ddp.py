@@ -7,7 +7,9 @@ pieces). The template's ``ddp`` and ``ddp_spawn`` differ from Lightning's in thr
 
 - **A world of one process is not wrapped.** With nothing to reduce, the model trains as on a single device: no
   buckets, no hooks, no buffer broadcast, one compiled graph. An all-reduce over one process returns its input, so
-  the training is the same (tests/test_strategies.py compares the weights). That covers
+  the training is the same as wrapped: bitwise, dropout included (checked against Lightning's own class). Against
+  ``--trainer.strategy=auto`` it is bitwise the same for a task without randomness (tests/test_strategies.py); with
+  dropout the masks differ, as under any ddp, because Lightning re-seeds when the process group starts. That covers
   ``--trainer.strategy=ddp --trainer.devices=1`` and an elastic restart on one surviving process; a communication
   hook (``app.callbacks.DDPCommHook``, Lightning's ``ddp_comm_hook``) has nothing to compress there either.
 - ``gradient_as_bucket_view=True``: the gradients are views of the buckets, so nothing is copied in or back.
@@ -21,7 +23,8 @@ pieces). The template's ``ddp`` and ``ddp_spawn`` differ from Lightning's in thr
   (on an H200 at e35ee52 the warning went and the device time per step fell from 8.04 to 7.02 ms).
 
 ``static_graph`` stays off: a task whose steps use different parameters (a fork's branch, a frozen layer) would
-fail with it. Lightning's own class stays available by class path (``lightning.pytorch.strategies.DDPStrategy``).
+fail with it. Lightning's own class stays available
+(``--trainer.strategy.class_path=lightning.pytorch.strategies.DDPStrategy``).
 """
 
 from __future__ import annotations
