@@ -122,15 +122,7 @@ needs_pipeline_schedules = pytest.mark.skipif(
 def test_fsdp_and_a_one_stage_pipeline_train_over_nccl_on_one_gpu(workdir, data_dir, strategy):
     """Both strategies' collectives over NCCL (the CPU suite runs them over gloo): 12 finite steps, a checkpoint
     with the whole model in it."""
-    rows = _fit(
-        data_dir,
-        f"--trainer.strategy={strategy}",
-        "--trainer.devices=1",
-        "--trainer.log_every_n_steps=1",
-        "--trainer.callbacks+=tests.fashion_mnist.test_gpu_recipe.RecordBackend",
-    )
-    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
-    assert len(losses) == 12 and all(loss == loss for loss in losses)  # finite, not NaN
+    _fit_12_finite_steps(data_dir, strategy, "--trainer.callbacks+=tests.fashion_mnist.test_gpu_recipe.RecordBackend")
     with open("backend.txt") as f:
         assert f.read() == "nccl"
     checkpoint = torch.load("lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
@@ -142,14 +134,14 @@ def test_fsdp_and_a_one_stage_pipeline_train_over_nccl_on_one_gpu(workdir, data_
 def test_16_mixed_trains_with_a_gradient_scaler(workdir, data_dir, strategy):
     """16-mixed on CUDA: Lightning's GradScaler scales the loss; with dp and horovod (mpi backend, nccl) the run
     trains and the scaler's state is in the checkpoint."""
+    _fit_12_finite_steps(data_dir, strategy, "--trainer.precision=16-mixed")
+    checkpoint = torch.load("lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    assert "MixedPrecision" in checkpoint and checkpoint["MixedPrecision"]["scale"] > 0
+
+
+def _fit_12_finite_steps(data_dir, strategy: str, *args: str) -> None:
     rows = _fit(
-        data_dir,
-        f"--trainer.strategy={strategy}",
-        "--trainer.devices=1",
-        "--trainer.precision=16-mixed",
-        "--trainer.log_every_n_steps=1",
+        data_dir, f"--trainer.strategy={strategy}", "--trainer.devices=1", "--trainer.log_every_n_steps=1", *args
     )
     losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
     assert len(losses) == 12 and all(loss == loss for loss in losses)  # finite, not NaN
-    checkpoint = torch.load("lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
-    assert "MixedPrecision" in checkpoint and checkpoint["MixedPrecision"]["scale"] > 0
