@@ -88,7 +88,9 @@ class FashionMNISTDataModule(LightningDataModule):
             num_workers: DataLoader workers. 0 is usually fastest: a batch is one tensor indexing op.
             on_device: Keep the training images on the training device (43 MB as uint8) and cut each batch there
                 from the epoch's order (:class:`app.loader.DeviceLoader`): no pinned buffer and no copy per step.
-                The batches, and so the training, are the same as without it. Needs ``num_workers=0``.
+                The batches are the same as without it; on a GPU ``augment``'s crops are drawn by the GPU's
+                generator (as reproducible, through a resume too, but other crops than the host's). Needs
+                ``num_workers=0``.
             seed: Seed of the train/val split and of the shuffling order.
             predict_dir: ``predict`` on the PNG/JPEG images of this folder instead of the test set. Each image is
                 read as grayscale and resized to 28x28.
