@@ -134,14 +134,19 @@ class Job:
         ]
 
     def reference(self, timeout: float) -> Path:
-        """The unbroken run of the job: one process, the same global batch (more accumulation); its folder."""
+        """The unbroken run of the job: one process, the same global batch (more accumulation); its folder. No
+        launcher is involved: the run is forked from a warm interpreter (tests/warm.py)."""
+        from tests import warm
+
         folder = self.folder / "unbroken"
         folder.mkdir(exist_ok=True)
         args = self.task_args(folder, accumulate=ACCUMULATE * self.devices)
         with (folder / "run.log").open("w") as log:
-            code = subprocess.run(
-                [sys.executable, *args], cwd=folder, env=environ(), stdout=log, stderr=log, timeout=timeout
-            ).returncode
+            run = warm.popen([sys.executable, *args], cwd=folder, env=environ(), stdout=log, stderr=log)
+            try:
+                code = run.wait(timeout)
+            finally:
+                run.kill()
         assert code == 0, (folder / "run.log").read_text()[-3000:]
         return folder
 

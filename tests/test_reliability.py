@@ -401,11 +401,11 @@ def rank_of(pid: int) -> int | None:
 
 
 def start(cwd: Path, *args: str) -> tuple[subprocess.Popen, Path]:
+    """A run whose ranks the test finds as rank 0's children in ``/proc`` (real ones: tests/warm.py)."""
     log = cwd / "run.log"
+    command = fit_command("--trainer.max_epochs=1000", *args)
     with open(log, "w") as out:
-        process = warm.popen(
-            fit_command("--trainer.max_epochs=1000", *args), cwd=cwd, env=env(), stdout=out, stderr=out
-        )
+        process = warm.popen(command, cwd=cwd, env=env(), stdout=out, stderr=out, real_children=True)
     return process, log
 
 

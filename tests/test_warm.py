@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +58,52 @@ def test_a_signalled_run_reports_minus_the_signal_like_popen(script, tmp_path):
     process.send_signal(signal.SIGTERM)
     assert process.wait(timeout=10) == -signal.SIGTERM
     assert json.loads(log.read_text().splitlines()[0])["pid"] == process.pid
+
+
+LAUNCHES_A_RANK = """
+import json, os, signal, sys, time
+from lightning.pytorch.strategies.launchers import subprocess_script as launcher
+
+if os.environ.get("RANK_OF_TEST"):
+    print(json.dumps({"warm": "app.cli" in sys.modules, "cwd": os.getcwd(), "argv": sys.argv}), flush=True)
+    if sys.argv[1] == "sleep":
+        open("started", "w").close()
+        signal.pause()
+    sys.exit(int(sys.argv[1]))
+env = {**os.environ, "RANK_OF_TEST": "1"}
+rank = launcher.subprocess.Popen([sys.executable, os.path.abspath(__file__), sys.argv[1]], env=env, cwd=sys.argv[2])
+if sys.argv[1] == "sleep":
+    while rank.poll() is None and not os.path.exists(os.path.join(sys.argv[2], "started")):
+        time.sleep(0.05)
+    rank.send_signal(signal.SIGTERM)
+print("rank exit", rank.wait(), flush=True)
+"""
+
+
+def launch_a_rank(tmp_path, how: str, real_children: bool = False) -> tuple[list[str], Path]:
+    script = tmp_path / "launch.py"
+    script.write_text(textwrap.dedent(LAUNCHES_A_RANK))
+    (tmp_path / "rank").mkdir()
+    result = warm.run(
+        [sys.executable, str(script), how, str(tmp_path / "rank")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        real_children=real_children,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.splitlines(), script
+
+
+@pytest.mark.parametrize("real_children", [False, True])
+def test_the_ranks_lightnings_launcher_starts_in_a_warm_run_are_warm_unless_asked(real_children, tmp_path):
+    """Lightning's ddp launcher starts ``sys.executable script ARGS`` with ``subprocess.Popen``: in a warm run the
+    rank is forked warm (``app.cli`` already imported) into the folder, arguments and exit status it was given."""
+    (seen, ended), script = launch_a_rank(tmp_path, "4", real_children)
+    assert json.loads(seen) == {"warm": not real_children, "cwd": str(tmp_path / "rank"), "argv": [str(script), "4"]}
+    assert ended == "rank exit 4"
+
+
+def test_a_warm_rank_stopped_by_a_signal_reports_minus_the_signal(tmp_path):
+    lines, _ = launch_a_rank(tmp_path, "sleep")
+    assert json.loads(lines[0])["warm"] and lines[-1] == f"rank exit {-signal.SIGTERM}"
