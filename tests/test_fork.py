@@ -25,6 +25,7 @@ from app.checks import names_class
 from app.defaults import checkpoint_options
 from app.run_dir import release_if_unused
 from app.task import TaskSpec, batch_samples, count_samples, spec_of
+from tests import warm
 from tests.conftest import ROOT, TINY_TASK
 from tests.test_as_users_run_it import noise, run
 
@@ -305,14 +306,17 @@ def _user_command(root: Path, *args: str, subcommand: str = "fit") -> list[str]:
     ]
 
 
-def _user_run(cmd: list[str], cwd: Path, packages: Path) -> subprocess.CompletedProcess:
+def _user_run(cmd: list[str], cwd: Path, packages: Path, fresh: bool = True) -> subprocess.CompletedProcess:
+    """``cmd`` with the user's packages on the path: in a fresh interpreter, as a person starts it, or (a test's
+    later runs, ``fresh=False``) forked from a warm one (tests/warm.py), the same run less the imports."""
     env = {
         **os.environ,
         "PYTHONPATH": str(packages),
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
     }
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    launch = subprocess.run if fresh else warm.run
+    return launch(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 
 @pytest.mark.slow
@@ -334,7 +338,7 @@ def test_a_users_own_package_trains_resumes_predicts_and_keeps_its_folder(tmp_pa
     assert (v0 / "checkpoints" / "last.ckpt").is_file()
 
     resumed = _user_run(
-        _user_command(root, *ddp, "--model.crash_at_step=-1", "--ckpt_path", "last"), elsewhere, packages
+        _user_command(root, *ddp, "--model.crash_at_step=-1", "--ckpt_path", "last"), elsewhere, packages, fresh=False
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "training loader is not app.loader.make_loader's" in resumed.stderr
@@ -342,13 +346,14 @@ def test_a_users_own_package_trains_resumes_predicts_and_keeps_its_folder(tmp_pa
     v1 = root / "lightning_logs" / "version_1"
     assert torch.load(v1 / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 12  # 2 epochs x 6
 
-    predicted = _user_run(_user_command(root, "--ckpt_path", "last", subcommand="predict"), elsewhere, packages)
+    predict = _user_command(root, "--ckpt_path", "last", subcommand="predict")
+    predicted = _user_run(predict, elsewhere, packages, fresh=False)
     assert predicted.returncode == 0, predicted.stderr[-3000:]
     rows = list(csv.DictReader((root / "lightning_logs" / "version_2" / "predictions.csv").open()))
     assert len(rows) == 96 and set(rows[0]) == {"index", "name", "label", "pred"}
     assert {int(r["pred"]) for r in rows} <= set(range(5))
 
-    wrong = subprocess.run(
+    wrong = warm.run(
         [sys.executable, str(ROOT / "cli.py"), "test", f"--ckpt_path={v1 / 'checkpoints' / 'last.ckpt'}"],
         cwd=elsewhere,
         capture_output=True,
@@ -409,7 +414,8 @@ def test_a_forks_own_lr_and_optimizer_arguments_given_on_resume_are_what_trains(
     every = "--trainer.log_every_n_steps=1"
     first = _user_run(_user_command(root, every, "--trainer.max_epochs=1"), elsewhere, packages)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = _user_run(_user_command(root, every, "--model.lr=0.5", "--ckpt_path=last"), elsewhere, packages)
+    resume = _user_command(root, every, "--model.lr=0.5", "--ckpt_path=last")
+    resumed = _user_run(resume, elsewhere, packages, fresh=False)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     output = resumed.stdout + resumed.stderr
     assert "settings, except --model.lr=0.5" in output
@@ -428,6 +434,7 @@ def test_a_forks_own_lr_and_optimizer_arguments_given_on_resume_are_what_trains(
         ),
         elsewhere,
         packages,
+        fresh=False,
     )  # fmt: skip
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = _user_run(
@@ -437,6 +444,7 @@ def test_a_forks_own_lr_and_optimizer_arguments_given_on_resume_are_what_trains(
         ),
         elsewhere,
         packages,
+        fresh=False,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     output = resumed.stdout + resumed.stderr
@@ -486,7 +494,7 @@ def test_a_users_own_entry_script_with_its_classes_inside(tmp_path):
     )
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert (tmp_path / "runs" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
-    bad = subprocess.run(
+    bad = warm.run(  # the test's later run: forked from a warm interpreter, as the as-users tests do
         [sys.executable, str(script), *common, "--ranked"], cwd=tmp_path, capture_output=True, text=True, env=env
     )
     assert bad.returncode == 2

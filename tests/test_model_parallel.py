@@ -408,7 +408,8 @@ def test_a_forks_own_task_from_its_own_script_trains_under_fsdp_and_resumes_unde
     script = tmp_path / "train.py"
     script.write_text(FORK_SCRIPT)
     for strategy, epochs in (("fsdp", 1), ("pipeline", 2)):
-        result = subprocess.run(
+        launch = subprocess.run if strategy == "fsdp" else warm.run  # the second run: forked warm (tests/warm.py)
+        result = launch(
             [sys.executable, str(script), str(tmp_path / "runs"), strategy, str(epochs)], cwd=tmp_path,
             env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=240,
         )  # fmt: skip
