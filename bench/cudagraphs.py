@@ -143,7 +143,7 @@ class StepMarks(Callback):
 
 class StepProfile(Callback):
     """The last training epoch under ``cProfile``; the top functions by own and by cumulative time are written to
-    ``$BENCH_PROFILE`` when it ends."""
+    ``$BENCH_PROFILE`` when it ends, and the whole profile beside it (``.prof``)."""
 
     def __init__(self) -> None:
         self._profile = None
@@ -166,6 +166,7 @@ class StepProfile(Callback):
         for key in ("tottime", "cumulative"):
             pstats.Stats(self._profile, stream=text).sort_stats(key).print_stats(35)
         Path(os.environ[PROFILE]).write_text(text.getvalue())
+        self._profile.dump_stats(Path(os.environ[PROFILE]).with_suffix(".prof"))  # whole, for pstats to compare
         self._profile = None
 
 
