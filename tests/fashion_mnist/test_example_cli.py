@@ -135,6 +135,20 @@ def test_launch_presets_compose_with_the_full_recipe(workdir, capsys):
         assert callbacks == ["app.callbacks.LRWarmup"]  # the defaults are added when the trainer is built
 
 
+def test_the_gpu_overlay_keeps_the_full_recipe_and_cuts_batches_on_the_device(workdir, capsys):
+    """configs/gpu_fast.yaml over the recipe: the batches come from the device (measured fastest on an H200, issue
+    44), which needs the loader in the training process: no workers."""
+    with pytest.raises(SystemExit):
+        run_cli(
+            "fit", "--config", str(ROOT / "configs" / "fashion_mnist.yaml"),
+            "--config", str(ROOT / "configs" / "gpu_fast.yaml"), "--print_config",
+        )  # fmt: skip
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["data"]["on_device"] is True and config["data"]["num_workers"] == 0
+    assert config["data"]["augment"] is True and config["model"]["arch"] == "resnet18"
+    assert (config["model"]["compile_mode"], config["trainer"]["precision"]) == ("reduce-overhead", "bf16-mixed")
+
+
 def test_cli_py_help_names_the_example_tools(tmp_path):
     """cli.py passes its task's tools to the machinery: --help names export beside plot, and export runs."""
     result = warm.run([sys.executable, str(ROOT / "cli.py"), "--help"], cwd=tmp_path, capture_output=True, text=True)
