@@ -11,6 +11,7 @@ normalisation and augmentation happen on the training device in :meth:`on_after_
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -269,6 +270,16 @@ class FashionMNISTDataModule(LightningDataModule):
     def _loader(self, dataset: TensorImageDataset, train: bool) -> DataLoader:
         # The template's loader (app/loader.py): per-device batch under every strategy, one seeded order for all
         # ranks that resumes part-way through an epoch at any world size, unpadded evaluation shards.
+        if self.hparams.num_workers == 0:
+            # Lightning advises workers for any loader with fewer than two on a machine of more than two cores
+            # ("The 'train_dataloader' does not have many workers which may be a bottleneck"), twice a run. Here a
+            # batch is one indexing op on uint8 tensors, or on the device (on_device, which refuses workers):
+            # workers would only add their copies between processes (docs/data.md). Silenced once this data module
+            # builds a loader without workers; a fork's own data module, in a process without this one, is advised.
+            warnings.filterwarnings(
+                "ignore", message=r"The '\w+_dataloader' does not have many workers",
+                module=r"lightning\.pytorch\.trainer\.connectors\.data_connector",
+            )  # fmt: skip
         on_device = train and self.hparams.get("on_device", False)
         if on_device:
             device = self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")

@@ -9,6 +9,7 @@ import math
 import os
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,32 @@ def test_on_device_with_workers_is_one_clear_error(workdir, data_dir, capsys):
     err = capsys.readouterr().err
     assert "--data.on_device=true cuts batches on the device" in err and "--data.num_workers=2" in err
     assert not (workdir / "lightning_logs").exists()
+
+
+def test_a_machine_of_many_cores_is_not_told_to_add_workers_the_loaders_do_not_need(workdir, data_dir, monkeypatch):
+    """Lightning advises workers for every loader with fewer than two where a machine has more than two cores, as
+    users' machines and the GPU hosts do (this one has two: the count of cores Lightning reads is stood in for). The
+    example's batches are one indexing op and need none: no such line, where a loader of Lightning's own demo still
+    gets it."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+
+    def advice(run) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+        return [str(w.message) for w in caught if "does not have many workers" in str(w.message)]
+
+    assert advice(lambda: run_cli(
+        "fit", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={data_dir}", "--trainer.max_epochs=1",
+        "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1",
+    )) == []  # fmt: skip
+    assert (workdir / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").exists()  # it trained
+    demo = Trainer(fast_dev_run=1, accelerator="cpu", logger=False, enable_progress_bar=False)
+    assert len(advice(lambda: demo.fit(BoringModel()))) == 2  # train and val: the stand-in is what Lightning reads
 
 
 def test_a_resume_uses_the_training_settings_given_and_records_them(workdir, data_dir):
