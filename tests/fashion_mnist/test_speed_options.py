@@ -5,6 +5,7 @@ import copy
 import csv
 import logging
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -452,9 +453,31 @@ def test_the_cudagraph_probe_gives_each_variant_its_spread_and_ratio_to_the_plai
         {"repeat": 3, "variant": "plain", "ms per step": 4.0},
         {"repeat": 3, "variant": "cli", "ms per step": 8.0},
     ]
+    rows += [  # a +device variant against the plain loop on the device, in the same repeat; a failed run is left out
+        {"repeat": 1, "variant": "plain+device", "ms per step": 3.0},
+        {"repeat": 1, "variant": "cli+device", "ms per step": 4.0},
+        {"repeat": 2, "variant": "plain+device", "ms per step": None, "failed": 1},
+        {"repeat": 2, "variant": "cli+device", "ms per step": 6.0},
+    ]
     table = spread(rows).splitlines()
     assert table[2] == "| plain | 3 | 4.000 (2.000-4.000) | 1.000 (1.000-1.000) |"
     assert table[3] == "| cli | 3 | 5.000 (2.000-8.000) | 0.800 (0.500-1.000) |"
+    assert table[4] == "| plain+device | 1 | 3.000 (3.000-3.000) | 1.000 (1.000-1.000) |"
+    assert table[5] == "| cli+device | 2 | 5.000 (4.000-6.000) | 0.750 (0.750-0.750) |"
+
+
+def test_a_failed_variant_of_the_probe_is_said_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    """One GPU call measures every variant: a variant that fails is reported with the end of its log, not raised."""
+    import argparse
+
+    import bench.cudagraphs as probe
+
+    monkeypatch.setattr(probe, "command", lambda *a: [sys.executable, "-c", "print('no such strategy'); exit(3)"])
+    args = argparse.Namespace(repeats=2, timeout=60)
+    row = probe.run_variant("cli@nosuch", args, tmp_path, tmp_path, repeat=1)
+    assert row == {"repeat": 2, "variant": "cli@nosuch", "ms per step": None, "failed": 3}
+    err = capsys.readouterr().err
+    assert "cli@nosuch failed (exit 3)" in err and "no such strategy" in err
 
 
 @pytest.mark.slow
