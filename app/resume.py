@@ -3,10 +3,12 @@ arguments over its restored state), and when a resume has nothing left to train.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
 
+import yaml
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.arguments import strategy_options_by_name, timeout_in_seconds
@@ -49,11 +51,71 @@ def find_last_checkpoint(trainer) -> Path | None:
 
 
 def newest_last_ckpt(runs_root: Path, default_root: Path, folders: list[Path] = ()) -> Path | None:
+    return next(iter(last_ckpts(runs_root, default_root, folders)), None)
+
+
+def last_ckpts(runs_root: Path, default_root: Path, folders: list[Path] = ()) -> list[Path]:
+    """Every earlier run's ``last.ckpt``, the newest first."""
     candidates = list(runs_root.glob("version_*/checkpoints/last.ckpt"))
     candidates += list((default_root / "checkpoints").glob("last.ckpt"))  # runs without a logger
     for folder in folders:  # ModelCheckpoints with an explicit folder
         candidates += list(folder.glob("last.ckpt"))
-    return max(candidates, key=lambda p: p.stat().st_mtime, default=None)
+    return sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
+# Settings a run sets for itself, left out when its config.yaml is compared with a command: the checkpoint it
+# resumed, the --config files the settings came from, its loggers (pointed at its own folder) and its process counts
+# (a launcher's, which a resume may change).
+RUNS_OWN_SETTINGS = ("ckpt_path", "config", "trainer.logger", "trainer.devices", "trainer.num_nodes")
+
+
+def _flat(value, prefix: str = "") -> dict:
+    if not isinstance(value, dict):
+        return {prefix.rstrip("."): value}
+    return {key: v for k, item in value.items() for key, v in _flat(item, f"{prefix}{k}.").items()}
+
+
+def _same_value(key: str, a, b) -> bool:
+    if key.rsplit(".", 1)[-1] == "data_dir" and isinstance(a, str) and isinstance(b, str):
+        a, b = (os.path.abspath(os.path.expanduser(v)) for v in (a, b))  # config.yaml names the folder absolutely
+    return a == b
+
+
+def settings_differ(run: dict, command: dict) -> list[str]:
+    """The settings (dotted names) in which a run's config.yaml and this command's differ, the run's own aside."""
+    a, b = _flat(run), _flat(command)
+    own = [k for k in {*a, *b} if any(k == p or k.startswith(f"{p}.") for p in RUNS_OWN_SETTINGS)]
+    return sorted(k for k in {*a, *b} - set(own) if not _same_value(k, a.get(k), b.get(k)))
+
+
+def run_settings(last: Path) -> dict | None:
+    """The settings a ``version_N/checkpoints/last.ckpt`` was trained with (its run's config.yaml), or None."""
+    try:
+        return yaml.safe_load((last.parent.parent / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+
+
+def last_of_this_command(candidates: list[Path], command: dict | None) -> Path | None:
+    """``--ckpt_path last``: the newest ``last.ckpt`` of a run started with this command's settings (the README's
+    "same command as before, plus --ckpt_path last"), else the newest of all. A stopped run is then resumed even when
+    runs with other settings (a trial with fewer batches, another preset) wrote a ``last.ckpt`` after it; the line
+    says so. Where no run had these settings (a resume with a new lr or more epochs), the newest, as before."""
+    newest = next(iter(candidates), None)
+    if command is None or newest is None:
+        return newest
+    for last in candidates:
+        settings = run_settings(last)
+        if settings is not None and not settings_differ(settings, command):
+            if last != newest:
+                other = settings_differ(run_settings(newest) or {}, command) or ["its settings"]
+                shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
+                rank_zero_info(
+                    f"--ckpt_path last: {last}, the newest of a run with this command's settings (the newest of all, "
+                    f"{newest}, is of a run with other {shown}; pass a checkpoint's path to resume another run)"
+                )
+            return last
+    return newest
 
 
 def check_loggerless_root(root: Path, config) -> None:
@@ -76,8 +138,9 @@ def check_loggerless_root(root: Path, config) -> None:
         )
 
 
-def resolve_last_or_best(which: str, config, load=load_checkpoint) -> str | None:
-    """``--ckpt_path last``/``best`` from the parsed config, before anything is built (None: no such file yet)."""
+def resolve_last_or_best(which: str, config, load=load_checkpoint, command: dict | None = None) -> str | None:
+    """``--ckpt_path last``/``best`` from the parsed config, before anything is built (None: no such file yet): of
+    the newest run with this command's settings (``command``: what its config.yaml will say), else the newest run."""
     root = Path(config.trainer.default_root_dir or ".")
     loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
     runs_root = root / "lightning_logs"
@@ -85,7 +148,7 @@ def resolve_last_or_best(which: str, config, load=load_checkpoint) -> str | None
         if (folder := folder_logger_root(logger)) is not None:  # the default loggers' "." is default_root_dir
             runs_root = root / folder if logger.init_args.get("save_dir") in (".", None) else folder
             break
-    found = newest_last_ckpt(runs_root, root)
+    found = last_of_this_command(last_ckpts(runs_root, root), command)
     if found is not None and which == "best":
         found = best_checkpoint_of(found, load)
     return None if found is None else str(found)
@@ -178,7 +241,8 @@ class CkptPathRule:
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path in ("last", "best"):
-            ckpt_path = self._resolved = resolve_last_or_best(ckpt_path, self.config[subcommand], self._load)
+            command = self._settings(subcommand)
+            ckpt_path = self._resolved = resolve_last_or_best(ckpt_path, self.config[subcommand], self._load, command)
         if not ckpt_path or ckpt_path == "hpc":
             return
         allow_remote = bool(self.config[subcommand].get("allow_remote_ckpt"))
@@ -221,6 +285,14 @@ class CkptPathRule:
             rank_zero_info(f"--ckpt_path {ckpt_path}: the checkpoint's network and settings, except {', '.join(notes)}")
         model = {"class_path": class_path, "init_args": taken} if self.subclass_mode_model else taken
         self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
+
+    def _settings(self, subcommand: str) -> dict | None:
+        """This command's settings as its run's config.yaml will hold them (the parser's own dump), or None where
+        the parser cannot write them (then no run's config.yaml can match, and ``last`` is the newest, as before)."""
+        try:
+            return yaml.safe_load(self.parser.dump(self.config, skip_none=False))[subcommand]
+        except Exception:  # whatever a setting's own serializer raises: choosing a run must not fail the command
+            return None
 
     def _load(self, ckpt_path, allow_remote: bool = False) -> dict:
         key = str(ckpt_path) if "://" in str(ckpt_path) else str(Path(ckpt_path).resolve())

@@ -362,6 +362,35 @@ def test_ckpt_path_last_with_no_run_yet_starts_fresh_and_a_finished_run_trains_n
         assert len(versions(workdir)) == 2
 
 
+def test_ckpt_path_last_takes_the_newest_run_of_the_same_command_over_a_newer_trial_with_other_settings(
+    workdir, caplog
+):
+    """The README's resume is "the same command as before, plus --ckpt_path last". A trial run with other settings
+    (fewer batches) in between wrote a newer last.ckpt: the run of this command is still the one taken, and the line
+    says why. A command that matches no run (more epochs) takes the newest, as before."""
+    base = ("fit", "--config", str(TINY_CONFIG), "--trainer.max_epochs=1")
+    run_cli(*base)
+    run_cli(*base, "--trainer.limit_train_batches=1")  # the trial: version_1, the newest last.ckpt
+    assert last_ckpt(versions(workdir)[1])["global_step"] == 1
+    caplog.clear()
+    with caplog.at_level("INFO"), pytest.raises(SystemExit) as stop:
+        run_cli(*base, "--ckpt_path=last")
+    assert stop.value.code == 0
+    assert "--ckpt_path last: lightning_logs/version_0/checkpoints/last.ckpt, the newest of a run with this " in (
+        caplog.text
+    )
+    assert "lightning_logs/version_1/checkpoints/last.ckpt, is of a run with other trainer.limit_train_batches" in (
+        caplog.text
+    )
+    assert "lightning_logs/version_0/checkpoints/last.ckpt: already trained 1 epoch(s)" in caplog.text
+
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        run_cli("fit", "--config", str(TINY_CONFIG), "--trainer.max_epochs=2", "--ckpt_path=last")
+    assert "resuming from lightning_logs/version_1/checkpoints/last.ckpt" in caplog.text
+    assert "the newest of a run with this command's settings" not in caplog.text
+
+
 # ------------------------------------------------------------------------------------------------ processes
 def children(pid: int) -> set[int]:
     """All descendants of ``pid`` (from /proc)."""
