@@ -209,10 +209,19 @@ def cli_fit(workdir, *extra: str) -> None:
     return result
 
 
+def test_a_warmup_longer_than_the_run_says_so_in_its_line(workdir, caplog):
+    """A trial run of fewer steps than the warmup (8 steps, warmup 20) never reaches the target lr: its line says so."""
+    with caplog.at_level("INFO"):
+        fit_one_epoch("--trainer.callbacks+=app.callbacks.LRWarmup", "--trainer.callbacks.warmup_steps=20")
+    assert "LRWarmup: linear warmup over 20 steps, from 0.1 x lr (longer than this run's 8 steps: " in caplog.text
+
+
 @pytest.mark.slow
 def test_warmup_composes_with_a_step_scheduler_single_device(workdir, caplog):
     """8 steps, batch 16: the task's StepLR halves every 3 steps underneath, unshifted; warmup and scale multiply it."""
-    fit_one_epoch(*WARMUP, "--model.lr_step=3")
+    with caplog.at_level("INFO"):
+        fit_one_epoch(*WARMUP, "--model.lr_step=3")
+    assert "LRWarmup: linear warmup over 6 steps, from 0.1 x lr; linear scaling rule" in caplog.text  # within the run
     check_lrs(workdir / "lightning_logs" / "version_0", 8, global_batch=16, main=lambda t: LR * 0.5 ** (t // 3))
 
 

@@ -113,6 +113,9 @@ class LRWarmup(Callback):
             self.total_warmup_steps = round(self.warmup_epochs * steps_per_epoch)
             how = f"{self.warmup_epochs:g} epochs x {steps_per_epoch} steps = {self.total_warmup_steps} steps"
         message = f"LRWarmup: {self.schedule} warmup over {how}, from {self.start_factor:g} x lr"
+        run_steps = trainer.estimated_stepping_batches
+        if math.isfinite(run_steps) and self.total_warmup_steps > run_steps:  # a short trial run, a resume near its end
+            message += f" (longer than this run's {int(run_steps)} steps: the lr stays below its target throughout)"
         if self.scale_lr != "none":
             per_process = _loader_batch_size(trainer)
             global_batch = per_process * data_parallel_size(trainer) * accumulate
