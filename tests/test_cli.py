@@ -159,6 +159,24 @@ def test_a_wrong_option_of_a_strategy_or_callback_is_one_plain_line(flags, want,
 
 
 @pytest.mark.slow
+def test_torch_and_torchvision_of_two_builds_are_one_line(tmp_path):
+    """pip mixing two indexes (a CPU torch, PyPI's CUDA torchvision) makes torchvision's first import fail with
+    torch's "operator torchvision::nms does not exist" under 40 lines of traceback. A torchvision that fails the same
+    way stands in for such an install (none can be made here)."""
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n'
+    )
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), "--help"], capture_output=True, text=True, env=environ, timeout=120
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    assert line.startswith("error: torchvision ") and "is not a build for torch " in line
+    assert "operator torchvision::nms does not exist" in line and "--force-reinstall torch torchvision" in line
+
+
 def test_cli_script_trains_as_a_user_runs_it(workdir):
     """The real entry point in a fresh interpreter: exit 0, the d2l-style epoch line, a checkpoint."""
     result = fit_in_subprocess(workdir)
