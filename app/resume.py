@@ -108,7 +108,7 @@ def last_of_this_command(candidates: list[Path], command: dict | None) -> Path |
         settings = run_settings(last)
         if settings is not None and not settings_differ(settings, command):
             if last != newest:
-                other = settings_differ(run_settings(newest) or {}, command) or ["its settings"]
+                other = [f"--{name}" for name in settings_differ(run_settings(newest) or {}, command)] or ["settings"]
                 shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
                 rank_zero_info(
                     f"--ckpt_path last: {last}, the newest of a run with this command's settings (the newest of all, "

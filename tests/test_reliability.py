@@ -379,7 +379,7 @@ def test_ckpt_path_last_takes_the_newest_run_of_the_same_command_over_a_newer_tr
     assert "--ckpt_path last: lightning_logs/version_0/checkpoints/last.ckpt, the newest of a run with this " in (
         caplog.text
     )
-    assert "lightning_logs/version_1/checkpoints/last.ckpt, is of a run with other trainer.limit_train_batches" in (
+    assert "lightning_logs/version_1/checkpoints/last.ckpt, is of a run with other --trainer.limit_train_batches;" in (
         caplog.text
     )
     assert "lightning_logs/version_0/checkpoints/last.ckpt: already trained 1 epoch(s)" in caplog.text
