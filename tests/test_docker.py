@@ -92,8 +92,12 @@ def test_the_image_and_ci_bring_the_real_data():
     assert "make test" in (ROOT / ".ci" / "run").read_text()  # CI runs the README's test command
 
 
-def _ci_run(tmp_path, uid: int, apt: int | None, installed: bool = False, make: int = 0):
-    """.ci/run with stand-ins for id, apt-get (None: not installed) and make, which record how they were called."""
+INSTALL = "make .venv/.installed-dev"
+
+
+def _ci_run(tmp_path, uid: int, apt: int | None, installed: bool = False, make: int = 0, install_fails: int = 0):
+    """.ci/run with stand-ins for id, apt-get (None: not installed) and make, which record how they were called
+    (``make test`` exits ``make``; the first ``install_fails`` installs fail, as a download that breaks off)."""
     import os
     import shutil
 
@@ -103,14 +107,19 @@ def _ci_run(tmp_path, uid: int, apt: int | None, installed: bool = False, make: 
     shutil.rmtree(bin_dir, ignore_errors=True)
     bin_dir.mkdir()
     log.write_text("")
-    stubs = {"id": f'[ "$1" = -u ] && echo {uid}', "make": f'echo "make $*" >> {log}; exit {make}'}
+    make_stub = (
+        f'echo "make $*" >> {log}; [ "$1" = test ] && exit {make}; '
+        f'[ "$(grep -c "^{INSTALL}$" {log})" -le {install_fails} ] && exit 1; exit 0'
+    )
+    stubs = {"id": f'[ "$1" = -u ] && echo {uid}', "make": make_stub}
     stubs |= {"ip": "exit 0", "iptables": "exit 0"}  # there: the two-node tests' install step has nothing to do
     if apt is not None:
         stubs["apt-get"] = f'echo "apt-get $*" >> {log}; exit {apt}'
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(0o755)
-    (bin_dir / "dirname").symlink_to(shutil.which("dirname"))
+    for tool in ("dirname", "grep"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
     system = tmp_path / "system"
     system.mkdir(exist_ok=True)
     if installed:
@@ -125,12 +134,19 @@ def _ci_run(tmp_path, uid: int, apt: int | None, installed: bool = False, make: 
 def test_ci_installs_the_real_data_only_as_root_with_apt_and_never_fails_for_it(tmp_path):
     install = "apt-get install -y -qq dataset-fashion-mnist"
     result, calls = _ci_run(tmp_path, uid=0, apt=0)
-    assert result.returncode == 0 and calls == ["apt-get update -qq", install, "make test"], (calls, result.stderr)
+    assert result.returncode == 0 and calls == ["apt-get update -qq", install, INSTALL, "make test"], calls
     result, calls = _ci_run(tmp_path, uid=0, apt=100)  # no network, no such package: the suite runs all the same
-    assert result.returncode == 0 and calls == ["apt-get update -qq", "make test"], calls
+    assert result.returncode == 0 and calls == ["apt-get update -qq", INSTALL, "make test"], calls
     assert "could not install dataset-fashion-mnist" in result.stderr
     for uid, apt, installed in [(1000, 0, False), (0, None, False), (0, 0, True)]:  # not root; no apt-get; there
         result, calls = _ci_run(tmp_path, uid=uid, apt=apt, installed=installed)
-        assert result.returncode == 0 and calls == ["make test"], (uid, apt, installed, calls)
+        assert result.returncode == 0 and calls == [INSTALL, "make test"], (uid, apt, installed, calls)
     result, calls = _ci_run(tmp_path, uid=1000, apt=0, make=2)
-    assert result.returncode == 2 and calls == ["make test"]  # the suite's failure is CI's
+    assert result.returncode == 2 and calls == [INSTALL, "make test"]  # the suite's failure is CI's
+
+
+def test_ci_tries_the_install_once_more_when_a_download_breaks_off(tmp_path):
+    result, calls = _ci_run(tmp_path, uid=1000, apt=0, install_fails=1)
+    assert result.returncode == 0 and calls == [INSTALL, INSTALL, "make test"], (calls, result.stderr)
+    result, calls = _ci_run(tmp_path, uid=1000, apt=0, install_fails=2)  # twice: CI fails, no suite on half a venv
+    assert result.returncode != 0 and calls == [INSTALL, INSTALL], calls
