@@ -98,15 +98,17 @@ def run_settings(last: Path) -> dict | None:
 
 def last_of_this_command(candidates: list[Path], command: dict | None) -> Path | None:
     """``--ckpt_path last``: the newest ``last.ckpt`` of a run started with this command's settings (the README's
-    "same command as before, plus --ckpt_path last"), else the newest of all. A stopped run is then resumed even when
-    runs with other settings (a trial with fewer batches, another preset) wrote a ``last.ckpt`` after it; the line
-    says so. Where no run had these settings (a resume with a new lr or more epochs), the newest, as before."""
+    "same command as before, plus --ckpt_path last"), or of a later run that continued that one (resumed from its
+    checkpoints, with a new lr, say), else the newest of all. A stopped run is then resumed even when runs with
+    other settings (a trial with fewer batches, another preset) wrote a ``last.ckpt`` after it; the line says so.
+    Where no run had these settings (a resume with a new lr or more epochs), the newest, as before."""
     newest = next(iter(candidates), None)
     if command is None or newest is None:
         return newest
     for last in candidates:
         settings = run_settings(last)
         if settings is not None and not settings_differ(settings, command):
+            last = latest_continuation(last, candidates)
             if last != newest:
                 other = [f"--{name}" for name in settings_differ(run_settings(newest) or {}, command)] or ["settings"]
                 shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
@@ -116,6 +118,23 @@ def last_of_this_command(candidates: list[Path], command: dict | None) -> Path |
                 )
             return last
     return newest
+
+
+def latest_continuation(last: Path, candidates: list[Path]) -> Path:
+    """The newest ``last.ckpt`` down the chain of runs that resumed from ``last``'s run (each run's config.yaml
+    records the checkpoint it resumed from), or ``last`` itself."""
+    while True:
+        folder = last.parent.resolve()
+        later = [
+            c
+            for c in candidates
+            if c.stat().st_mtime > last.stat().st_mtime
+            and isinstance(resumed := (run_settings(c) or {}).get("ckpt_path"), str)
+            and Path(resumed).resolve().parent == folder
+        ]
+        if not later:
+            return last
+        last = later[0]  # candidates are newest first
 
 
 def check_loggerless_root(root: Path, config) -> None:

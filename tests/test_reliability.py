@@ -390,6 +390,17 @@ def test_ckpt_path_last_takes_the_newest_run_of_the_same_command_over_a_newer_tr
     assert "resuming from lightning_logs/version_1/checkpoints/last.ckpt" in caplog.text
     assert "the newest of a run with this command's settings" not in caplog.text
 
+    # version_0 continued with other settings (version_3, 3 epochs), then another trial (version_4): the same
+    # command takes the continuation, the newest run down version_0's line
+    v0_last = versions(workdir)[0] / "checkpoints" / "last.ckpt"
+    run_cli("fit", "--config", str(TINY_CONFIG), "--trainer.max_epochs=3", f"--ckpt_path={v0_last}")
+    run_cli(*base, "--trainer.limit_train_batches=2")
+    caplog.clear()
+    with caplog.at_level("INFO"), pytest.raises(SystemExit):
+        run_cli(*base, "--ckpt_path=last")
+    assert "--ckpt_path last: lightning_logs/version_3/checkpoints/last.ckpt, the newest of a run" in caplog.text
+    assert "lightning_logs/version_3/checkpoints/last.ckpt: already trained 3 epoch(s)" in caplog.text
+
 
 # ------------------------------------------------------------------------------------------------ processes
 def children(pid: int) -> set[int]:
