@@ -10,6 +10,9 @@ a node that joins; SIGTERM to every agent (the same commands then started again,
 ``horovod``: the strategy's own mpirun launch with ``max_restarts``, three ranks. Faults: a rank lost in training,
 inside a window, in validation, during a save; SIGTERM to the launcher (the same command then run again with
 ``--ckpt_path last``, on all three ranks).
+``ddp``: Lightning's own launcher, two ranks, which restarts nothing. Its one fault is SIGTERM to the process the user
+started, then the same command with ``--ckpt_path last``. Its ranks are forked from a warm interpreter (tests/warm.py):
+no launcher of ours is on trial, so it is the cheap job for checks of the check (``--perturb``).
 
 Each fault acts at a named point after a given optimizer step, once (a file marks it done, across restarts). The
 finished run must be what an unbroken one is: the same weights (float64, GroupNorm: equal up to the rounding of sums
@@ -101,7 +104,7 @@ class Job:
     schedule: list[Fault] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.devices = 2 if self.launcher == "torchrun" else 3
+        self.devices = 3 if self.launcher == "horovod" else 2
         self.schedule = make_schedule(self)
 
     @property
@@ -161,7 +164,9 @@ class Job:
             losses = sum(f.kind.startswith("lose") for f in self.schedule)
             args += ["--trainer.strategy=horovod", f"--trainer.devices={self.devices}"]
             args += [f"--trainer.strategy.max_restarts={max(losses, 1)}"]
-        else:
+        elif self.launcher == "ddp":
+            args += ["--trainer.strategy=ddp", f"--trainer.devices={self.devices}"]
+        else:  # torchrun starts one process per node
             args += ["--trainer.strategy=ddp"]
         return [*args, *more]
 
@@ -175,6 +180,8 @@ def make_schedule(job: Job) -> list[Fault]:
     for index in range(job.faults):
         if job.launcher == "torchrun":
             kinds = ["stop_all"] + (["join"] if world == 1 else [k for k in KINDS if k.startswith("lose_node")])
+        elif job.launcher == "ddp":  # Lightning's launcher restarts no rank it lost
+            kinds = ["stop_launcher"]
         else:
             kinds = ["stop_launcher"] + ([k for k in KINDS if k.startswith("lose_rank")] if world > 1 else [])
         kinds = [k for k in kinds if k in job.kinds]
@@ -270,16 +277,20 @@ class Torchrun:
                 agent.kill()
 
 
-class Horovod:
-    """The strategy's own mpirun launch, run again with ``--ckpt_path last`` after a SIGTERM to it."""
+class SelfLaunched:
+    """A run that starts its own ranks (the horovod strategy's mpirun launch, Lightning's ddp launcher), run again
+    with ``--ckpt_path last`` after a SIGTERM to it."""
 
     def __init__(self, job: Job) -> None:
         self.job, self.process, self.runs = job, None, 0
 
     def start(self, *more: str) -> subprocess.Popen:
+        from tests import warm
+
         log = open(self.job.folder / f"launch{self.runs}.log", "w")  # noqa: SIM115
         self.runs += 1
-        self.process = subprocess.Popen(
+        popen = warm.popen if self.job.launcher == "ddp" else subprocess.Popen
+        self.process = popen(
             [sys.executable, *self.job.args(*more)], cwd=self.job.folder, env=environ(), stdout=log, stderr=log
         )
         return self.process
@@ -399,7 +410,7 @@ def check(job: Job) -> dict:
 
 
 def run(job: Job, timeout: float) -> tuple[int, float]:
-    launcher = Torchrun(job) if job.launcher == "torchrun" else Horovod(job)
+    launcher = Torchrun(job) if job.launcher == "torchrun" else SelfLaunched(job)
     started = time.monotonic()
     try:
         code = launcher.run(timeout)
@@ -410,7 +421,7 @@ def run(job: Job, timeout: float) -> tuple[int, float]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--launcher", choices=["torchrun", "horovod"], default="torchrun")
+    parser.add_argument("--launcher", choices=["torchrun", "horovod", "ddp"], default="torchrun")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--faults", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=3)
