@@ -59,7 +59,10 @@ def test_allreduce_batchnorm_equals_one_process_on_the_whole_batch(tmp_path):
     torch.manual_seed(1)
     x, g = torch.randn(8, 3, 4, 4) * 2 + 1, torch.randn(8, 3, 4, 4)
     sizes = [5, 3]
-    mp.spawn(_sync_bn_worker, args=(2, find_free_network_port(), x, g, sizes, str(tmp_path / "r")), nprocs=2)
+    # forked from the warm forkserver (tests/warm.py): no launcher is on trial here, and spawn's two fresh
+    # interpreters cost 14 CPU-seconds of imports
+    args = (2, find_free_network_port(), x, g, sizes, str(tmp_path / "r"))
+    mp.start_processes(_sync_bn_worker, args=args, nprocs=2, start_method="forkserver")
     ranks = [torch.load(tmp_path / f"r.{r}", weights_only=True) for r in range(2)]
 
     torch.manual_seed(0)

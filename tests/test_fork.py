@@ -621,8 +621,9 @@ def test_the_python_api_gets_what_the_cli_gives(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(API_SCRIPT)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for epochs in (1, 2):
-        result = subprocess.run(
+    for epochs in (1, 2):  # the first run as a person starts it; the resume forked warm (tests/warm.py)
+        launch = subprocess.run if epochs == 1 else warm.run
+        result = launch(
             [sys.executable, str(script), str(tmp_path / "runs"), str(epochs)],
             cwd=tmp_path,
             env=env,
