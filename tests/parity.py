@@ -121,8 +121,10 @@ REFERENCE = ["--devices", "1", "--batch-size", "16"]
 
 # Variants of a strategy (accumulation, precision, callbacks, compression) run one after another in one launch of
 # 2 processes, instead of a launch each: every interpreter start costs ~5 CPU-seconds of imports, more than a
-# variant's training. They run under the launchers users type themselves, torchrun for ddp and mpirun for
-# horovod; the plain cases (CASES, "horovod_mpirun") keep a launch of their own through the launcher they name.
+# variant's training. They run under the launchers users type themselves: torchrun for ddp, mpirun for horovod, and
+# Lightning's own launcher (``python cli.py ... --trainer.devices=2``, as docs/model-parallel.md starts them) for
+# fsdp and pipeline, whose second rank is then forked warm (tests/warm.py); the plain cases (CASES,
+# "horovod_mpirun") keep a launch of their own through the launcher they name.
 BN_WARMUP = ["--norm", "batch", "--warmup-steps", "2"]
 VARIANT_CASES = {  # the strategies the variant tests are parametrized over; "horovod" runs under mpirun -np 2
     "dp": CASES["dp"],
@@ -153,7 +155,7 @@ LAUNCHES = {
         },
     ),
     "fsdp_variants": (
-        "torchrun",
+        "python",
         {
             "fsdp_acc2": [*VARIANT_CASES["fsdp"], "--accumulate", "2"],
             "fsdp_bf16_mixed": [*VARIANT_CASES["fsdp"], "--precision", "bf16-mixed"],
@@ -163,7 +165,7 @@ LAUNCHES = {
         },
     ),
     "pipeline_variants": (
-        "torchrun",
+        "python",
         {
             "pipeline_acc2": [*VARIANT_CASES["pipeline"], "--accumulate", "2"],
             "pipeline_bf16_mixed": [*VARIANT_CASES["pipeline"], "--precision", "bf16-mixed"],
