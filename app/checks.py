@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import inspect
 import re
 from pathlib import Path
@@ -19,9 +20,32 @@ from app.errors import UserError
 from app.launcher import mpi_world_size
 from app.task import import_class
 
+# The template's strategies, in the order of the README's table; every other registered name is Lightning's.
+OURS = ("auto", "dp", "ddp", "ddp_spawn", "fsdp", "pipeline", "horovod")
+# Lightning registers these whatever is installed; each needs a package of its own.
+NEEDS = {"deepspeed": "deepspeed", "xla": "torch_xla", "tpu": "torch_xla"}
+
+
+def usable_strategy_names() -> tuple[list[str], list[str]]:
+    """The registered names this install can run: the template's, then Lightning's others (the ``*_find_unused_
+    parameters_*`` spellings left out: each is its ddp kind with one option)."""
+    names = set(StrategyRegistry.available_strategies()) | {"auto"}
+    ours = [name for name in OURS if name in names]
+    others = sorted(
+        name
+        for name in names - set(ours)
+        if "_find_unused_parameters_" not in name
+        and all(package_available(package) for word, package in NEEDS.items() if word in name)
+    )
+    return ours, others
+
+
+def package_available(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
 
 def check_strategy_name(strategy) -> None:
-    """An unknown name, or a one-process strategy inside an MPI launch, fails here with every valid name listed."""
+    """An unknown name, or a one-process strategy inside an MPI launch, fails here with the usable names listed."""
     if not isinstance(strategy, str) or strategy == "auto":
         return
     names = sorted(StrategyRegistry.available_strategies())
@@ -33,7 +57,11 @@ def check_strategy_name(strategy) -> None:
                 f" A class is given as --trainer.strategy.class_path={strategy} (its arguments as "
                 "--trainer.strategy.init_args.NAME=VALUE)."
             )
-        raise UserError(f"--trainer.strategy={strategy!r} is not a strategy.{hint} Available: auto, {', '.join(names)}")
+        ours, others = usable_strategy_names()
+        raise UserError(
+            f"--trainer.strategy={strategy!r} is not a strategy.{hint} Available: {', '.join(ours)}; and Lightning's "
+            f"{', '.join(others)} (docs/strategies.md)"
+        )
     if strategy in ("dp", "ddp_spawn") and mpi_world_size() > 1:
         raise UserError(
             f"--trainer.strategy={strategy} starts its own workers, but this process is one of {mpi_world_size()} MPI "

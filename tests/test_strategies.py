@@ -4,6 +4,7 @@ The network is resnet_tiny with GroupNorm (no coupling between samples through b
 at batch b and one device at batch N*b compute the same gradients; the only differences are float rounding.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
+from app.checks import NEEDS
 from app.errors import UserError
 from app.strategies import DataParallelStrategy, HorovodStrategy
 from app.strategies.dp import combine_outputs, in_context, split_batch
@@ -183,14 +185,20 @@ def test_ddp_in_a_world_of_one_trains_exactly_as_one_device(parity):
         ("app.strategies.DDPStrategy", "A class is given as --trainer.strategy.class_path=app.strategies.DDPStrategy"),
     ],
 )
-def test_unknown_strategy_lists_every_name_ours_included(given, said, workdir, capsys):
+def test_unknown_strategy_lists_the_names_this_install_can_run_ours_first(given, said, workdir, capsys):
     with pytest.raises(SystemExit) as exit_info:
         run_cli("fit", "--config", str(TINY_CONFIG), f"--trainer.strategy={given}")
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"error: --trainer.strategy={given!r}" in err and said in err
-    available = err.split("Available: ")[1].strip().split(", ")
-    assert {"auto", "dp", "ddp", "ddp_spawn", "horovod"} <= set(available)
+    ours, lightnings = err.split("Available: ")[1].split(" (docs/strategies.md)")[0].split("; and Lightning's ")
+    assert ours.split(", ") == ["auto", "dp", "ddp", "ddp_spawn", "fsdp", "pipeline", "horovod"]
+    others = lightnings.split(", ")
+    assert {"ddp_fork", "single_device"} <= set(others) and "deepspeed" in StrategyRegistry.available_strategies()
+    # Lightning registers these whether or not their package is installed; without it a run fails at once
+    missing = [word for word, package in NEEDS.items() if importlib.util.find_spec(package) is None]
+    assert not [name for name in others if any(word in name for word in missing)], others
+    assert not [name for name in others if "find_unused_parameters" in name], others
     assert not (workdir / "lightning_logs").exists()
 
 
