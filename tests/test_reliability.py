@@ -135,6 +135,10 @@ def test_a_run_stopped_by_max_steps_mid_epoch_resumes_where_it_stopped(reference
     assert again.returncode == 0 and "already trained step 3" in again.stdout + again.stderr
     second = fit(workdir, "--ckpt_path=last")
     assert second.returncode == 0, second.stderr[-3000:]
+    # the epoch line of the resumed epoch says that its loss is of its resumed part; the next one is whole
+    lines = [line for line in (second.stdout + second.stderr).splitlines() if line.startswith("epoch ")]
+    assert lines[0].startswith("epoch 0 | train loss ") and " (since the resume) | " in lines[0], lines
+    assert lines[1].startswith("epoch 1 | train loss ") and "resume" not in lines[1], lines
     expected, _ = reference("single")
     v1 = versions(workdir)[-1]
     resumed = last_ckpt(v1)

@@ -4,7 +4,8 @@ Each epoch prints one line, like d2l's::
 
     epoch 3 | train loss 0.4120 | val acc 0.8712 | 12.3 s | 4,567 samples/s | 3.7 ms/step | 2 x cuda (ddp)
 
-(the train loss is the epoch's mean loss per sample, whatever ``accumulate_grad_batches``; the validation figure
+(the train loss is the epoch's mean loss per sample, whatever ``accumulate_grad_batches``, over the batches this run
+trained: an epoch taken up part-way by a resume says ``train loss 0.4120 (since the resume)``; the validation figure
 is the metric the task's ``spec.monitor`` names; samples are what ``spec.samples`` counts: images, sequences, ...;
 a data module's ``epoch_note`` ends every line, e.g. ``| SYNTHETIC data, not Fashion-MNIST``: see app/task.py)
 
@@ -74,9 +75,12 @@ class RunReport(Callback):
         self._epoch_start = self._started = time.perf_counter()
         self._train_seconds, self._samples, self._loss_sum = 0.0, 0, 0.0
         self._marks = []
+        self._first_batch: int | None = None  # > 0: this run took the epoch up part-way (a resume)
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        if self._first_batch is None:
+            self._first_batch = batch_idx
         # an optimizer step's first batch (with accumulate_grad_batches=k a step is k batches)
         if len(self._marks) < _MAX_MARKS and batch_idx % trainer.accumulate_grad_batches == 0:
             if pl_module.device.type == "cuda":
@@ -128,8 +132,9 @@ class RunReport(Callback):
         samples, loss_sum = (total / stages for total in totals.tolist())
         seconds = time.perf_counter() - self._epoch_start
         parts = [f"epoch {trainer.current_epoch}"]
-        if samples:
-            parts.append(f"train loss {loss_sum / samples:.4f}")
+        if samples:  # resumed mid-epoch: the loss of the batches this run trained, which the line says
+            resumed = " (since the resume)" if self._first_batch else ""
+            parts.append(f"train loss {loss_sum / samples:.4f}{resumed}")
         monitor = spec_of(pl_module).monitor  # the task's headline metric (val/acc -> "val acc 0.8712")
         value = trainer.callback_metrics.get(monitor) if monitor else None
         if value is not None:
