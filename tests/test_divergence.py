@@ -1,6 +1,7 @@
 """A diverging run stops with one line and exit 1, and never writes non-finite weights over a good checkpoint."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -42,7 +43,8 @@ def test_a_diverging_run_stops_and_keeps_the_good_checkpoints(tmp_path):
     bad = fit(cwd, root, "--trainer.max_epochs=3", "--model.lr=1e30")
     assert bad.returncode == 1, bad.stderr[-3000:]
     last_line = bad.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("error: training diverged: the training loss became nan by step"), last_line
+    # the step whose loss was not finite, not the step the check read it at (every 50 batches, or the epoch's end)
+    assert re.match(r"error: training diverged: the training loss became (nan|inf) at step \d+ \(epoch 0\)", last_line)
     assert "--model.lr" in last_line and "Traceback" not in bad.stderr
     assert bad.stderr.count("error:") == 1
     after = checkpoints(root)
@@ -72,3 +74,33 @@ def test_a_diverging_multi_process_run_stops_every_rank_with_one_line(strategy, 
 def test_check_interval_is_validated():
     with pytest.raises(ValueError, match="check_every_n_steps must be >= 1"):
         StopOnNonFinite(check_every_n_steps=0)
+
+
+def test_the_line_names_the_step_whose_loss_was_not_finite_between_two_reads(tmp_path):
+    """The losses are read every 50 batches and at the epoch's end: a loss that was inf at step 5 of 12 only is
+    found at the end of the epoch, and said as step 5's."""
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from app.errors import Diverged
+
+    class Task(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.layer(batch[0]).pow(2).mean()
+            return loss * float("inf") if self.global_step == 5 else loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.0)  # the weights stay finite: only the loss is not
+
+    trainer = Trainer(
+        max_epochs=1, callbacks=[StopOnNonFinite()], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", default_root_dir=tmp_path,
+    )  # fmt: skip
+    data = DataLoader(TensorDataset(torch.ones(12, 2)), batch_size=1)
+    with pytest.raises(Diverged, match=r"the training loss became inf at step 5 \(epoch 0\)"):
+        trainer.fit(Task(), data)
+    assert trainer.global_step == 12  # read at the epoch's end, after step 5 was long done

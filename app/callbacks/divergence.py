@@ -4,11 +4,12 @@ With too high a learning rate the loss goes to ``inf`` and then ``nan``, and eve
 weights. Lightning carries on silently: the run exits 0, ``last.ckpt`` (and ``--ckpt_path last`` after it) holds
 ``nan`` weights, and so would an export. This callback
 
-- marks, at every training step, whether the loss is finite, in a flag that stays on the device (reading the loss
-  on the host every step would make each GPU step wait for the one before);
-- reads that flag every ``check_every_n_steps`` steps, before validation, at the end of each epoch and of training
-  (the ranks agree on it, so all stop after the same step), and stops the run with one line naming the step, the
-  loss and what to change, exit code 1;
+- copies each training batch's loss into a buffer that stays on the device, one copy and no other work per batch
+  (reading the loss on the host every step would make each GPU step wait for the one before; a device-side "was it
+  finite" flag cost six small operations per batch, host time that a fast GPU step waits for);
+- reads that buffer every ``check_every_n_steps`` batches, before validation and at the end of each epoch (the ranks
+  agree on it, so all stop after the same step), and stops the run with one line naming the step whose loss was
+  not finite, that loss and what to change, exit code 1;
 - refuses to write any checkpoint whose weights are not finite (an exception before the file is opened), so the
   checkpoints on disk keep the last finite weights and ``--ckpt_path last`` resumes from them.
 
@@ -44,28 +45,29 @@ class StopOnNonFinite(Callback):
         if check_every_n_steps < 1:
             raise ValueError(f"check_every_n_steps must be >= 1, got {check_every_n_steps}")
         self.check_every_n_steps = check_every_n_steps
-        self._bad: torch.Tensor | None = None  # True once a step's loss was inf or nan (on the device)
-        self._first_bad: torch.Tensor | None = None  # that step's loss value, kept for the message
-        self._steps = 0
+        self._losses: torch.Tensor | None = None  # the losses since the last check, on the device
+        self._steps: list[int] = []  # the optimizer step each of them belongs to
+        self._step = 0
         self._local_ranks: list = []  # rank 0 of a ddp launch: the other local ranks, once all stop
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._bad = torch.zeros((), dtype=torch.bool, device=pl_module.device)
-        self._first_bad = torch.zeros((), dtype=torch.float32, device=pl_module.device)
-        self._steps = 0
+        self._losses = torch.zeros(self.check_every_n_steps, dtype=torch.float32, device=pl_module.device)
+        self._steps = []
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch, batch_idx: int) -> None:
+        self._step = trainer.global_step  # the step this batch trains (metrics.csv's step of its loss)
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if not isinstance(loss, torch.Tensor) or self._bad is None:
+        if not isinstance(loss, torch.Tensor) or self._losses is None:
             return
-        loss = loss.detach().float().reshape(-1)[0].to(self._bad.device)
-        bad = ~torch.isfinite(loss)
-        self._first_bad = torch.where(self._bad, self._first_bad, loss)  # the first non-finite value, no sync
-        self._bad = self._bad | bad
-        self._steps += 1
-        if self._steps % self.check_every_n_steps == 0:
+        loss = loss.detach()
+        self._losses[len(self._steps)] = loss if loss.dim() == 0 else loss.reshape(-1)[0]  # one copy, no sync
+        self._steps.append(self._step)
+        if len(self._steps) == self.check_every_n_steps:
             self._check(trainer, pl_module, "training")
 
     @override
@@ -89,15 +91,19 @@ class StopOnNonFinite(Callback):
             finite = trainer.strategy.reduce_boolean_decision(finite, all=True)
         if not finite:
             self._local_ranks = take_over_local_ranks(trainer)
-            raise Diverged(self._message(trainer, "non-finite weights", math.nan), trainer.global_rank)
+            raise Diverged(self._message(trainer, "non-finite weights", math.nan, None), trainer.global_rank)
 
     def _check(self, trainer: Trainer, pl_module: LightningModule, where: str) -> None:
-        if self._bad is None:
+        if self._losses is None:
             return
-        bad = trainer.strategy.reduce_boolean_decision(bool(self._bad), all=False)  # the one read of the device
+        losses = self._losses[: len(self._steps)].tolist()  # the one read of the device
+        first = next((i for i, loss in enumerate(losses) if not math.isfinite(loss)), None)
+        bad = trainer.strategy.reduce_boolean_decision(first is not None, all=False)
         if bad:
             self._local_ranks = take_over_local_ranks(trainer)  # before any rank can exit non-zero
-            raise Diverged(self._message(trainer, LOSS, float(self._first_bad)), trainer.global_rank)
+            value, step = (math.nan, None) if first is None else (losses[first], self._steps[first])
+            raise Diverged(self._message(trainer, LOSS, value, step), trainer.global_rank)
+        self._steps = []
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -105,12 +111,13 @@ class StopOnNonFinite(Callback):
             wait_for_local_ranks(self._local_ranks)  # all stop at the same step; rank 0 exits after its children
 
     @staticmethod
-    def _message(trainer: Trainer, what: str, value: float) -> str:
+    def _message(trainer: Trainer, what: str, value: float, step: int | None) -> str:
+        """``step``: the optimizer step whose loss was not finite on this rank (None: another rank's, or weights)."""
         lrs = sorted({group["lr"] for opt in trainer.optimizers for group in opt.param_groups})
         lr = ", ".join(f"{x:g}" for x in lrs) or "?"
-        shown = f" became {value}" if what == LOSS and not math.isfinite(value) else ""
+        when = f"became {value} at step {step}" if step is not None else f"by step {trainer.global_step}"
         return (
-            f"training diverged: {what}{shown} by step {trainer.global_step} (epoch {trainer.current_epoch}); "
+            f"training diverged: {what} {when} (epoch {trainer.current_epoch}); "
             "the run stops without writing these weights (checkpoints already on disk hold finite ones). "
             f"Lower the learning rate (now {lr}: {spec_of(trainer.lightning_module).lr_flag}), or warm it up "
             "(--trainer.callbacks+=app.callbacks.LRWarmup)"

@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from app.callbacks.progress import console_print
 from app.strategies.parallelism import parallelism
-from app.task import batch_samples, epoch_note, spec_of
+from app.task import count_samples, epoch_note, spec_of
 
 _FIELDS = ("samples", "seconds", "steps", "peak_bytes")
 _MAX_MARKS = 4096  # step starts timed per epoch (the median of the first 4,096 steps stands for the epoch)
@@ -54,6 +54,7 @@ class RunReport(Callback):
         self._global_step = 0  # trainer.global_step when the last training batch ended
         self._marks: list = []  # each training batch's start (perf_counter, or a CUDA event); None: a pause
         self._compiled_before: dict[str, int] = {}
+        self._count = count_samples  # the task's way to count a batch's samples (spec.samples)
 
     # ---------------------------------------------------------------- timing the training batches
     @override
@@ -65,6 +66,7 @@ class RunReport(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._run = dict.fromkeys(_FIELDS, 0.0)
         self._global_step = trainer.global_step  # a resumed run's steps count from here
+        self._count = spec_of(pl_module).samples or count_samples  # looked up once: it runs every batch
         for device in _devices(trainer):
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -92,9 +94,12 @@ class RunReport(Callback):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
-        n = batch_samples(pl_module, batch)
+        n = int(self._count(batch))
         self._samples += n
-        self._loss_sum = self._loss_sum + _batch_loss(trainer, pl_module, outputs) * n  # on the device: no sync
+        loss, scale = _batch_loss(trainer, pl_module, outputs)
+        if not isinstance(self._loss_sum, torch.Tensor):
+            self._loss_sum = torch.zeros((), dtype=torch.float64, device=loss.device)
+        self._loss_sum.add_(loss if loss.dim() == 0 else loss.reshape(()), alpha=n * scale)  # one op, no sync
         # optimizer steps, not batches: with accumulate_grad_batches=k only every k-th batch steps
         self._run["steps"] += trainer.global_step - self._global_step
         self._global_step = trainer.global_step
@@ -272,15 +277,16 @@ def _median_interval_ms(marks: list) -> float | None:
     return median(intervals) if intervals else None
 
 
-def _batch_loss(trainer: Trainer, pl_module: LightningModule, outputs) -> torch.Tensor:
-    """The batch's own mean loss, detached, in float64: the step output's ``batch_loss`` when the task returns one,
-    else its ``loss`` as the task computed it. Under automatic optimization Lightning hands the hooks that loss
-    divided by ``accumulate_grad_batches`` (what backward gets, so that k batches add up to one step's gradient);
-    read as it is, the epoch's loss was 1/k of the task's, and jumped when a resume changed k."""
+def _batch_loss(trainer: Trainer, pl_module: LightningModule, outputs) -> tuple[torch.Tensor, int]:
+    """The batch's own mean loss is the returned tensor (detached) times the returned factor: the step output's
+    ``batch_loss`` when the task returns one, else its ``loss`` as the task computed it. Under automatic optimization
+    Lightning hands the hooks that loss divided by ``accumulate_grad_batches`` (what backward gets, so that k
+    batches add up to one step's gradient); read as it is, the epoch's loss was 1/k of the task's, and jumped when a
+    resume changed k. (A factor, not a product: the caller folds it into its one operation per batch.)"""
     if isinstance(outputs, dict) and "batch_loss" in outputs:
-        return outputs["batch_loss"].detach().double()
-    loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach().double()
-    return loss * trainer.accumulate_grad_batches if pl_module.automatic_optimization else loss
+        return outputs["batch_loss"].detach(), 1
+    loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach()
+    return loss, trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
 
 
 def _gather(local: torch.Tensor) -> torch.Tensor:
