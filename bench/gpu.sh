@@ -14,8 +14,9 @@
 #   data   the seeds' d2l settings and the full recipe on the real data (configs/d2l.yaml, fashion_mnist.yaml),
 #          the GPU tests beside them
 #   tests  the suite's GPU tests (tests/test_gpu.py, tests/fashion_mnist/test_gpu_recipe.py)
+#   host   python -m bench.host_overhead: the host time per step the default callbacks add, on this host's CPU
 # Settings: VARIANTS and EAGER_VARIANTS (comma-separated), REPEATS (runs of each, round robin), PROBE_LIMIT,
-# EAGER_LIMIT, BENCH_LIMIT, TESTS_LIMIT (seconds per section).
+# EAGER_LIMIT, BENCH_LIMIT, TESTS_LIMIT, HOST_LIMIT (seconds per section).
 # Each section has its own time limit and logs to $OUT/<section>.txt; bench/results is packed into $OUT at the end.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
@@ -73,6 +74,9 @@ for step in "$@"; do
     tests)
         section tests "${TESTS_LIMIT:-150}" $PY -m pytest -p no:cacheprovider -q -n 3 -rs tests/test_gpu.py \
             tests/fashion_mnist/test_gpu_recipe.py
+        ;;
+    host)  # what the callbacks cost the host that issues the GPU's steps (the 5% gap of issue 44 is host time)
+        section host "${HOST_LIMIT:-120}" $PY -m bench.host_overhead --repeats 3
         ;;
     *) echo "unknown section $step" ;;
     esac
