@@ -120,21 +120,41 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=1000, help="timed steps per run (after 100 of warm-up)")
     parser.add_argument("--repeats", type=int, default=1, help="alternate the runs this many times")
     args = parser.parse_args(argv)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning").setLevel(logging.ERROR)
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    torch.set_num_threads(1)
-    for repeat in range(args.repeats):
-        alone, template = run("lightning", args.steps), run("template", args.steps)
+    with quiet_and_one_thread():
+        measure(args.steps, args.repeats)
+
+
+@contextlib.contextmanager
+def quiet_and_one_thread():
+    """Lightning's info lines and warnings off, one torch thread; all as before afterwards (a caller's process, such
+    as a test's, keeps its own settings)."""
+    loggers = [logging.getLogger(name) for name in ("lightning", "lightning.pytorch", "lightning.fabric")]
+    levels, threads = [logger.level for logger in loggers], torch.get_num_threads()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for logger in loggers:
+                logger.setLevel(logging.ERROR)
+            torch.set_num_threads(1)
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+        torch.set_num_threads(threads)
+
+
+def measure(steps: int, repeats: int) -> None:
+    for repeat in range(repeats):
+        alone, template = run("lightning", steps), run("template", steps)
         spent: Counter = Counter()
-        timed = run("template", args.steps, spent=spent)
-        bodies = sum(spent.values()) / args.steps / 1e6
-        print(f"repeat {repeat + 1}: host ms per step over {args.steps} steps (torch {torch.__version__}, CPU)")
+        timed = run("template", steps, spent=spent)
+        bodies = sum(spent.values()) / steps / 1e6
+        print(f"repeat {repeat + 1}: host ms per step over {steps} steps (torch {torch.__version__}, CPU)")
         print(f"  Lightning alone        {alone:7.3f}")
         print(f"  with the template's    {template:7.3f}  (+{template - alone:.3f}, x{template / alone:.2f})")
         print(f"  of which hook bodies   {bodies:7.3f}  (the rest: calling every hook of every callback)")
         for name, ns in spent.most_common():
-            print(f"    {ns / args.steps / 1000:7.1f} us  {name}")
+            print(f"    {ns / steps / 1000:7.1f} us  {name}")
         print(f"  (the hook-timed run: {timed:.3f} ms per step)")
 
 
