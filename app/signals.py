@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 from app.launcher import proc_stat
@@ -105,6 +106,10 @@ def _die_with_parent() -> None:
         pass
 
 
+OUTLIVE = 30.0  # seconds an mpirun may run on after its last rank exited (it normally exits within one)
+HUNG = 124  # the exit code of an mpirun ended for outliving its ranks (timeout(1)'s code for "ended by us")
+
+
 class StopSignals:
     """SIGTERM/SIGINT to the launching process, noted for the whole launch (each mpirun, and the time before and
     between them) and passed on to the ranks by :meth:`run`, also to ranks that write their pid only after the signal
@@ -136,13 +141,25 @@ class StopSignals:
                         self._sent.add((pid, index))
 
     def run(
-        self, cmd: list[str], env: dict, pids: Callable[[], Iterable[int]], cleanup: Callable[[], None]
+        self,
+        cmd: list[str],
+        env: dict,
+        pids: Callable[[], Iterable[int]],
+        cleanup: Callable[[], None],
+        ranks_running: Callable[[], bool] | None = None,
+        outlive: float = OUTLIVE,
     ) -> tuple[int, int]:
         """Run ``cmd`` (mpirun), passing signals on to the processes ``pids()`` names (its ranks, which appear one by
-        one), then ``cleanup()``. Returns (exit code, the first signal received or 0)."""
+        one), then ``cleanup()``. Returns (exit code, the first signal received or 0).
+
+        An mpirun that outlives all its ranks by ``outlive`` seconds (``ranks_running()`` was true, then stayed
+        false) is hung: seen with Open MPI 5, whose prterun printed "Abort is in progress...hit ctrl-c again" after
+        a rank was lost in a save, and waited for good. It is killed with its session, and the launch fails
+        (:data:`HUNG`), so that the launcher restarts the ranks or says why not."""
         process = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
         )
+        seen, gone_since, looked = False, None, 0.0
         try:
             while True:
                 try:
@@ -150,6 +167,26 @@ class StopSignals:
                     break
                 except subprocess.TimeoutExpired:
                     self._forward(pids)
+                if ranks_running is None or time.monotonic() - looked < 1.0:  # a look reads /proc: once a second
+                    continue
+                looked = time.monotonic()
+                if ranks_running():
+                    seen, gone_since = True, None
+                elif seen:
+                    gone_since = gone_since or time.monotonic()
+                    if time.monotonic() - gone_since >= outlive and process.poll() is None:
+                        name = os.path.basename(cmd[0])
+                        print(
+                            f"error: {name} (pid {process.pid}) outlived all its ranks by {outlive:g} s (hung in its "
+                            "own shutdown): ended, and this launch counts as failed",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        with contextlib.suppress(OSError):
+                            os.killpg(process.pid, signal.SIGKILL)  # its session: prterun and any daemon it forked
+                        process.wait()
+                        returncode = HUNG
+                        break
         finally:
             if process.poll() is None:
                 process.kill()

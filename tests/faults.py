@@ -20,7 +20,9 @@ process: a preemption notice), ``wait_for_harness`` (write ``once``, then wait u
 harness starts a node that torchrun takes in, or stops the whole job, when it sees the file), ``sigstop`` (a hung
 process), ``error`` (a bug: RuntimeError), ``disk_full`` (the save raises ``OSError(ENOSPC)``; only at ``save``),
 ``kill_before_replace`` and ``kill_after_replace`` (only at ``save``: SIGKILL this process just before, or just after,
-the ``os.replace`` that puts the checkpoint file being saved in place: a rank killed in the middle of its save).
+the ``os.replace`` that puts the checkpoint file being saved in place: a rank killed in the middle of its save),
+``hang_mpirun_then_kill`` (SIGSTOP this rank's mpirun, then SIGKILL this process: a rank lost, and an mpirun that
+will not exit once the other ranks are gone, as Open MPI 5's prterun hung in its abort in CI).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ ACTIONS = (
     "disk_full",
     "kill_before_replace",
     "kill_after_replace",
+    "hang_mpirun_then_kill",
 )
 
 
@@ -120,6 +123,13 @@ class Fault(Callback):
             raise RuntimeError("a fault injected by tests/faults.py")
         elif self.action == "disk_full":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        elif self.action == "hang_mpirun_then_kill":
+            from app.launcher import mpi_daemon
+
+            daemon = mpi_daemon()
+            assert daemon is not None, "hang_mpirun_then_kill: this rank has no mpirun"
+            os.kill(daemon[0], signal.SIGSTOP)
+            os.kill(os.getpid(), signal.SIGKILL)
         elif self.action in ("kill_before_replace", "kill_after_replace"):
             _kill_at_checkpoint_replace(after=self.action == "kill_after_replace")
 

@@ -550,6 +550,30 @@ def test_rank_0_lost_before_it_logged_its_step_leaves_no_gap_in_metrics_csv(tmp_
 
 
 @pytest.mark.slow
+def test_an_mpirun_that_outlives_its_ranks_is_ended_and_the_launch_restarted(tmp_path):
+    """Rank 1 is lost after step 3 and its mpirun hangs (stopped here; in CI, Open MPI 5's prterun said "Abort is in
+    progress...hit ctrl-c again" and never exited). Rank 0 saves the state and exits, so no rank is left: the launcher
+    waited on mpirun for good, until the test's timeout. Now it ends an mpirun that outlives all its ranks by 30 s,
+    counts the launch as failed, and restarts on the survivor from its state."""
+    fault = {"at": "step", "step": 3, "action": "hang_mpirun_then_kill", "rank": 1}
+    root, records = tmp_path / "runs", tmp_path / "records"
+    args = fit_args(root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
+    spec = {"class_path": "tests.faults.Fault", "init_args": fault}
+    args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(spec)]
+    result = warm.run(
+        [sys.executable, *args], cwd=tmp_path, env=env(**MPI_ENV), capture_output=True, text=True, timeout=240
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-5000:]
+    assert re.search(r"error: mpirun \(pid \d+\) outlived all its ranks by 30 s", output), output[-5000:]
+    # (the survivor's own lines, "Saved the state after step 3", went to the stopped mpirun and are lost with it)
+    assert "restart 1 of at most 1 on 1 rank(s)" in output, output[-5000:]
+    [run] = (root / "lightning_logs").glob("version_*")
+    assert load_checkpoint(run / "checkpoints" / "last.ckpt")["global_step"] == EPOCHS * SAMPLES // (2 * BATCH)
+    assert_each_sample_once_per_epoch(read_records(records), resumed_at_step=3)  # from the survivor's state
+
+
+@pytest.mark.slow
 def test_a_rank_lost_in_the_epoch_checkpoints_save_leaves_one_best_checkpoint(tmp_path):
     """Rank 1 dies inside the save of epoch 0's checkpoint, after rank 0 wrote the file. The restart validates epoch 0
     again and saves its checkpoint under the same name: one top-1 file at the end, the best by val/acc. (The file

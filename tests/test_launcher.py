@@ -120,6 +120,45 @@ def test_leftover_ranks_are_gone_before_the_launcher_reads_what_they_wrote(tmp_p
         rank.kill()
 
 
+@pytest.mark.parametrize("hangs", [True, False])
+def test_an_mpirun_that_outlives_all_its_ranks_is_ended_as_a_failed_launch(hangs, tmp_path):
+    """A stand-in mpirun starts one rank (a Python running ``-m app.strategies._mpi_worker JOB``: here a module of
+    that name that sleeps a second), waits for it, then hangs (as prterun did in CI, "Abort is in progress...hit
+    ctrl-c again") or exits 0. The hung one, and everything in its session, is ended ``outlive`` seconds after the
+    rank, with the launch's code HUNG; one that exits in time is left alone. Not fooled by mpirun's own command line,
+    which holds the same words."""
+    import os
+    import sys
+    import time
+
+    from app.signals import HUNG, StopSignals
+    from app.strategies._reaper import launch_running
+
+    stand_in = tmp_path / "stand_in" / "app" / "strategies"
+    stand_in.mkdir(parents=True)
+    for init in (stand_in / "__init__.py", stand_in.parent / "__init__.py"):
+        init.touch()
+    (stand_in / "_mpi_worker.py").write_text("import time\ntime.sleep(1)\n")
+    folder = tmp_path / "horovod-launch-x"
+    folder.mkdir()
+    rank = f'"{sys.executable}" -m app.strategies._mpi_worker "{folder / "job.pkl"}" result.pkl'
+    after = "sleep 600" if hangs else "exit 0"
+    mpirun = ["sh", "-c", f"{rank} & wait; echo $$ > {tmp_path / 'mpirun.pid'}; {after}", "app.strategies._mpi_worker"]
+    env = dict(os.environ, PYTHONPATH=str(stand_in.parents[1]))
+    t0 = time.monotonic()
+    with StopSignals() as stops:
+        code, signum = stops.run(mpirun, env, list, lambda: None, lambda: launch_running(folder), outlive=2)
+    seconds = time.monotonic() - t0
+    assert signum == 0
+    if hangs:
+        assert code == HUNG and 3 <= seconds < 20, (code, seconds)
+        pid = int((tmp_path / "mpirun.pid").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # gone, its sleep with it (the session was killed)
+    else:
+        assert code == 0 and seconds < 10, (code, seconds)
+
+
 @pytest.fixture
 def rank_5_of_8_on_two_nodes(clean_env):
     """Open MPI's rank 5 of 8, local rank 1 of 4 per node (the rank rank_zero_only remembers is put back after)."""

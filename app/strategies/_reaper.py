@@ -47,6 +47,24 @@ def rank_pids(folder: Path) -> list[int]:
     return pids
 
 
+def launch_running(folder: Path) -> bool:
+    """Whether any rank of the launch in ``folder`` runs, whether or not it has written its pid yet: a Python running
+    the rank program (``python -m app.strategies._mpi_worker JOB RESULT``) on the launch's job file, which lies in
+    ``folder``. (mpirun's own command line holds the same words, after its options.)"""
+    job = str(folder / "job.pkl").encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if args[1:4] == [b"-m", WORKER, job] and alive(int(entry)):
+            return True
+    return False
+
+
 def kill_ranks(folder: Path, wait: float = 30.0) -> None:
     """SIGKILL the ranks of ``folder`` that still run, and return once they are gone (up to ``wait`` seconds): a
     SIGKILL takes effect when the process next runs, so one in the middle of a rename or a write was still finishing

@@ -34,8 +34,8 @@ from app.errors import Diverged, Preempted, UserError
 from app.generators import generator_states
 from app.launcher import launcher_ranks
 from app.lightning_internals import ResultsLauncher, resume_from
-from app.signals import StopSignals, process_alive
-from app.strategies._reaper import kill_ranks, rank_pids
+from app.signals import HUNG, StopSignals, process_alive
+from app.strategies._reaper import kill_ranks, launch_running, rank_pids
 from app.strategies.saved_state import MPI_LAUNCH_DIR, SAVED_STATE, saved_states
 
 
@@ -221,10 +221,12 @@ class MPIRunLauncher(ResultsLauncher):
         restart = 0
         while True:
             returncode = self._run_ranks(workdir, restart, trainer, function, args, kwargs, stops)
-            if returncode == 0 and (workdir / "result.pkl").is_file():
+            if returncode in (0, HUNG) and (workdir / "result.pkl").is_file():  # done, whatever mpirun did after
                 break
             failed = f"the horovod ranks failed (mpirun exited with {returncode}); see their output above"
-            if returncode == 0:
+            if returncode == HUNG:
+                failed = "the horovod ranks failed (mpirun hung once they had all exited, and was ended)"
+            elif returncode == 0:
                 failed = (
                     "the horovod ranks failed (rank 0 ended without its results, killed: mpirun, with "
                     "--enable-recovery, counts that as no error and exited with 0); see their output above"
@@ -274,7 +276,13 @@ class MPIRunLauncher(ResultsLauncher):
                 cmd += ["-x", name]
         cmd += ["-x", MPI_LAUNCH_DIR, sys.executable, "-m", "app.strategies._mpi_worker", str(job)]
         cmd.append(str(workdir / "result.pkl"))
-        returncode, signum = stops.run(cmd, env, lambda: rank_pids(workdir), lambda: end_leftover_ranks(workdir))
+        returncode, signum = stops.run(
+            cmd,
+            env,
+            pids=lambda: rank_pids(workdir),
+            cleanup=lambda: end_leftover_ranks(workdir),
+            ranks_running=lambda: launch_running(workdir),
+        )
         if not signum and (workdir / PREEMPTED).exists():  # the ranks were signalled directly
             signum = int((workdir / PREEMPTED).read_text())
         if signum:
