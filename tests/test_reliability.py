@@ -490,6 +490,26 @@ def test_sigterm_to_a_ddp_spawn_run_stops_its_ranks_with_a_checkpoint_and_exits_
     assert load_checkpoint(last)["global_step"] > step  # the stop's own checkpoint, not the epoch's
 
 
+@pytest.mark.parametrize(("how", "code"), [("finish", 143), ("atexit", 143), ("none", -signal.SIGABRT)])
+def test_a_rank_exits_cleanly_while_its_watchdog_is_in_a_store_call(how, code, tmp_path):
+    """The ddp_spawn SIGTERM test above failed in CI (6150092): its ranks stopped and saved, then one aborted at exit
+    ("terminate called without an active exception"). The cause, forced here: the watchdog's store call came back
+    from torch's C++ while the interpreter shut down (rank 0, the store's host, had exited first). The rank now
+    waits for its heartbeat before it shuts down, from the callback's teardown or at exit; without that wait (the
+    negative control) the same run aborts every time."""
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.watchdog_at_exit", how],
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == code, result.stdout + result.stderr[-3000:]
+    assert "leaving" in result.stdout
+    assert ("terminate called" in result.stderr) == (how == "none"), result.stderr[-3000:]
+
+
 def test_external_sigterm_to_rank0_of_ddp_stops_every_rank_within_30_s(workdir):
     """``docker stop`` signals PID 1 only: rank 0 tells the others, all write nothing but one checkpoint and exit.
     Rank 0 then cleans up slowly (a logger's upload): the other ranks' exit 143 must not get it SIGKILLed by

@@ -28,6 +28,7 @@ A rank that finishes marks itself done, so an early finisher is never taken for 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import os
@@ -96,11 +97,18 @@ class Heartbeat(threading.Thread):
         self.verdict = threading.Event()
         self._halt = threading.Event()  # not "_stop": that is a threading.Thread method
         self.on_lost = None  # called from this thread with (ranks, reason); default: exit the process
+        self._call: threading.Thread | None = None  # the store call under way (a helper thread: it may hang)
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}/{kind}/{rank}"
 
     def run(self) -> None:
+        try:
+            self._watch()
+        finally:
+            _running.discard(self)
+
+    def _watch(self) -> None:
         host = socket.gethostname()
         peers = [r for r in range(self.world_size) if r != self.rank]
         try:
@@ -115,7 +123,7 @@ class Heartbeat(threading.Thread):
             # answers, and torch's store calls can then block far beyond their timeout: make the calls from a
             # helper thread and give up on them after ``timeout``.
             outcome: dict = {}
-            call = threading.Thread(target=self._exchange, args=(peers, host, pids, outcome), daemon=True)
+            call = self._call = threading.Thread(target=self._exchange, args=(peers, host, pids, outcome), daemon=True)
             call.start()
             call.join(self.timeout)
             if call.is_alive() or "error" in outcome:
@@ -186,11 +194,50 @@ class Heartbeat(threading.Thread):
         if self.on_lost is not None:
             self.on_lost(ranks, reason)
 
+    def start(self) -> None:
+        _register_exit_wait()
+        _running.add(self)
+        super().start()
+
     def finish(self, failed: bool = False) -> None:
         """This rank is done (``failed``: it leaves with an error): peers stop watching it, and this thread stops."""
         self._halt.set()
         with contextlib.suppress(Exception), store_warnings_off():  # the store may already be gone at the very end
             self.store.add(self._key("beat", self.rank), FAILED if failed else DONE)
+        self.wait_stopped()
+
+    def wait_stopped(self) -> None:
+        """Return once this thread and its store call are over: at most ``timeout + interval`` seconds (a store call
+        gives up after ``timeout``), and not after a verdict, whose thread ends the process itself.
+
+        A daemon thread that comes back from one of torch's C++ calls while the interpreter shuts down ends the
+        process with SIGABRT, "terminate called without an active exception" (CPython ends such a thread with
+        pthread_exit, whose unwinding cannot pass torch's C++ frames). Seen on ddp_spawn ranks that had stopped
+        cleanly and saved, when rank 0, the store's host, exited first and a peer's store call then failed."""
+        self._halt.set()
+        if threading.current_thread() is self:
+            return
+        deadline = time.monotonic() + self.timeout + self.interval
+        # not once a verdict came: its thread waits for this one's save (the Elastic callback) and ends the process
+        for thread in (self, self._call):
+            while thread is not None and thread.is_alive() and not self.verdict.is_set():
+                if time.monotonic() > deadline:
+                    return
+                thread.join(0.05)
+
+
+_running: set[Heartbeat] = set()  # the heartbeat threads of this process that have not stopped
+_exit_wait_registered = False
+
+
+def _register_exit_wait() -> None:
+    """At the interpreter's exit (atexit runs before it shuts down), every heartbeat still running is stopped and
+    waited for (:meth:`Heartbeat.wait_stopped`): a rank that leaves without the callback's teardown (an exception
+    raised past Lightning, ``sys.exit`` in a user's hook) exits cleanly too. Registered with the first heartbeat."""
+    global _exit_wait_registered
+    if not _exit_wait_registered:
+        atexit.register(lambda: [beat.wait_stopped() for beat in list(_running)])
+        _exit_wait_registered = True
 
 
 MIN_TIMEOUT = 1.0
