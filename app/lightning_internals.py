@@ -37,11 +37,12 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    its own ``FSDPStrategy`` registered (``"fsdp"``) unless the accelerator is a GPU; the template's ``fsdp``
    (app/strategies/fsdp.py) runs on CPU too, so the name leaves that list when the template takes it over.
 
-Private names of torch, Lightning, torchvision and argparse used elsewhere in ``app/`` are listed in
-:data:`PRIVATE_USES`, each with the class or module that has it and why: the strategies' launcher protocol, and a
-few that no public API replaces. ``tests/test_lightning_internals.py`` reads every file's syntax tree
-(tests/private_api.py) and fails on a use that is not listed here, and checks that each listed name still exists
-where it says.
+Private names of torch, Lightning, torchvision and argparse used elsewhere in ``app/`` and in ``bench/`` are listed
+in :data:`PRIVATE_USES`, each with the class or module that has it and why: the strategies' launcher protocol, and a
+few that no public API replaces (private string keys included: ``"_class_path"``). Library objects whose public
+methods or attributes the template patches at run time are listed in :data:`RUN_TIME_PATCHES`.
+``tests/test_lightning_internals.py`` reads every file's syntax tree (tests/private_api.py) and fails on a use that
+is not listed here, and checks that each listed name still exists where it says.
 """
 
 from __future__ import annotations
@@ -127,10 +128,66 @@ PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
         "torch.nn.modules.batchnorm:_BatchNorm",
         "the input check every BatchNorm's forward calls, overridden to take any dimension >= 2",
     ),
+    # Private keys: LightningCLI records the class of a module and of a data module in their hyperparameters under
+    # "_class_path"; a checkpoint's writer is read from there. torch's schedulers keep the lr they last set in
+    # "_last_lr" of their state dict; a resume does not count it as a changed setting.
+    ("app/checkpoint_io.py", "_class_path"): ("lightning.pytorch.cli", "the class that wrote a checkpoint"),
+    ("app/resume.py", "_class_path"): ("lightning.pytorch.cli", "the data module class that wrote a checkpoint"),
+    ("app/callbacks/resume_settings.py", "_last_lr"): (
+        "torch.optim.lr_scheduler:LRScheduler",
+        "the lr a scheduler last set, in its state dict: not a setting",
+    ),
+    # The benchmarks: what torch.compile did (as the run report reads it), and the pipeline stage's base class.
+    ("bench/cudagraphs.py", "counters"): ("torch._dynamo.utils", "graphs and graph breaks of a probe's variant"),
+    ("bench/model_parallel.py", "_PipelineStageBase"): (
+        "torch.distributed.pipelining.stage",
+        "the stages' common base, whose communication the bench times",
+    ),
     # torchvision's ResNet builds its stages with _make_layer; resnet_tiny builds narrower ones the same way.
     ("app/fashion_mnist/networks.py", "_make_layer"): (
         "torchvision.models.resnet:ResNet",
         "a stage as ResNet builds it",
+    ),
+}
+
+# (file, public name) -> (the library class whose attribute or method is replaced on a live object, and why): each
+# is a run-time patch of a library object, which an upgrade can break as silently as a private name.
+RUN_TIME_PATCHES: dict[tuple[str, str], tuple[str, str]] = {
+    ("app/callbacks/elastic/metrics.py", "log_metrics"): (
+        "lightning.fabric.loggers.logger:Logger",
+        "each logger's calls counted, so that a restart writes metrics.csv's missing rows once",
+    ),
+    ("app/callbacks/elastic/world_size.py", "accumulate_grad_batches"): (
+        "lightning.pytorch.trainer.trainer:Trainer",
+        "a restart on fewer devices keeps the global batch (the loop reads it at every batch)",
+    ),
+    ("app/callbacks/elastic/world_size.py", "base_lrs"): (
+        "torch.optim.lr_scheduler:LRScheduler",
+        "the scheduler's base lrs scaled with the lr when the world size changes",
+    ),
+    ("app/callbacks/elastic/failure.py", "last_model_path"): (
+        "lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint",
+        "a survivor's save recorded as last.ckpt, as save_last does",
+    ),
+    ("app/callbacks/preemption.py", "last_model_path"): (
+        "lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint",
+        "the stop's save recorded as last.ckpt, as save_last does",
+    ),
+    ("app/strategies/mpirun.py", "config_filename"): (
+        "lightning.pytorch.cli:SaveConfigCallback",
+        "a restart writes config.restartN.yaml beside the first start's config.yaml",
+    ),
+    ("app/strategies/mpirun.py", "overwrite"): (
+        "lightning.pytorch.cli:SaveConfigCallback",
+        "a restart writes config.restartN.yaml beside the first start's config.yaml",
+    ),
+    ("app/strategies/pipeline.py", "log"): (
+        "lightning.pytorch.core.module:LightningModule",
+        "the step run only to find the network's input logs nothing",
+    ),
+    ("app/strategies/pipeline.py", "log_dict"): (
+        "lightning.pytorch.core.module:LightningModule",
+        "the step run only to find the network's input logs nothing",
     ),
 }
 

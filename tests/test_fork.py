@@ -35,15 +35,46 @@ SEQUENCE = ("--model=examples.sequence.SequenceRegressor", "--data=examples.sequ
 
 
 # ------------------------------------------------------------------------------------------ the seam, unit by unit
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, root: Path = ROOT) -> set[str]:
+    """Every module ``path`` imports, in functions too, relative imports resolved (``from .fashion_mnist import x``
+    in app/cli.py is ``app.fashion_mnist``), and each imported name as ``module.name``."""
+    package = list(path.relative_to(root).with_suffix("").parts)
+    if package[-1] != "__init__":
+        package = package[:-1]
+    else:
+        package.pop()
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-            names |= {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            if module:
+                names.add(module)
+            names |= {f"{module}.{alias.name}".lstrip(".") for alias in node.names}
     return names
+
+
+def test_the_import_reader_sees_lazy_and_relative_imports_of_the_example(tmp_path):
+    """Planted: what the seam tests must catch in a machinery module, each form of import of the example."""
+    planted = tmp_path / "app" / "cli.py"
+    planted.parent.mkdir()
+    planted.write_text(
+        "import os\n"
+        "def build():\n"
+        "    from .fashion_mnist.model import ImageClassifier\n"
+        "    from . import fashion_mnist\n"
+        "    import app.fashion_mnist.data\n"
+        "    from .callbacks import warmup\n"
+    )
+    found = _imports(planted, root=tmp_path)
+    assert {"app.fashion_mnist.model", "app.fashion_mnist", "app.fashion_mnist.data", "app.callbacks"} <= found
+    assert "app.fashion_mnist.model.ImageClassifier" in found and "os" in found
+    inside = tmp_path / "app" / "callbacks" / "__init__.py"
+    inside.parent.mkdir()
+    inside.write_text("from ..fashion_mnist import networks\n")
+    assert "app.fashion_mnist" in _imports(inside, root=tmp_path)
 
 
 def test_the_machinery_never_imports_the_example_task():

@@ -18,9 +18,16 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from lightning.pytorch.strategies import Strategy
 
-from app.lightning_internals import PRIVATE_USES, ResultsLauncher, drop_layer_sync, resume_from, take_over_local_ranks
+from app.lightning_internals import (
+    PRIVATE_USES,
+    RUN_TIME_PATCHES,
+    ResultsLauncher,
+    drop_layer_sync,
+    resume_from,
+    take_over_local_ranks,
+)
 from tests.conftest import ROOT
-from tests.private_api import scan
+from tests.private_api import run_time_patches, scan
 
 
 def parameters(function) -> list[str]:
@@ -119,9 +126,11 @@ def test_the_guard_catches_attribute_chains_and_layouts(line):
     assert PRIVATE.search(line), line
 
 
-def test_the_guard_lets_public_use_pass():
-    for line in ("trainer.strategy.barrier()", "if trainer.global_step == step:", "strategy.checkpoint_io = io"):
-        assert not PRIVATE.search(line) or "checkpoint_io" in line, line
+@pytest.mark.parametrize(
+    "line", ["trainer.strategy.barrier()", "if trainer.global_step == step:", "strategy.checkpoint_io = io"]
+)
+def test_the_guard_lets_public_use_pass(line):
+    assert not PRIVATE.search(line), line
 
 
 def test_no_private_lightning_reach_elsewhere_in_app():
@@ -137,9 +146,10 @@ def test_no_private_lightning_reach_elsewhere_in_app():
 
 # ------------------------------------------------------------------ private names read from the syntax tree
 def test_every_private_name_of_a_library_used_in_app_is_listed_with_its_reason():
-    """tests/private_api.py finds every private name of torch, Lightning, torchvision or argparse that app/ uses
-    outside app/lightning_internals.py; each (file, name) must be in its PRIVATE_USES, and each entry still used."""
-    uses = scan(ROOT)
+    """tests/private_api.py finds every private name of torch, Lightning, torchvision or argparse that app/ and bench/
+    use outside app/lightning_internals.py; each (file, name) must be in its PRIVATE_USES, and each entry still
+    used."""
+    uses = scan(ROOT) + scan(ROOT, package="bench", skip=())
     unlisted = [f"{u.path}:{u.line}: {u.how}" for u in uses if (u.path, u.name) not in PRIVATE_USES]
     assert not unlisted, "private names not listed in app/lightning_internals.py's PRIVATE_USES:\n" + "\n".join(
         unlisted
@@ -148,26 +158,58 @@ def test_every_private_name_of_a_library_used_in_app_is_listed_with_its_reason()
     assert not stale, f"listed in PRIVATE_USES but no longer used: {sorted(stale)}"
 
 
-@pytest.mark.parametrize("use", sorted(PRIVATE_USES), ids="{0[0]}:{0[1]}".format)
-def test_each_listed_private_name_is_where_the_list_says(use):
-    """The contract: an upgrade that takes a listed name away fails here, by name, not deep in a run."""
-    name = use[1]
-    owner, reason = PRIVATE_USES[use]
-    assert reason.strip()
+def test_every_library_object_patched_at_run_time_is_listed_with_its_reason():
+    """A public method or attribute of a library object replaced on the live object (``logger.log_metrics = ...``,
+    ``trainer.accumulate_grad_batches = ...``) is listed in RUN_TIME_PATCHES, and each entry is still made."""
+    uses = run_time_patches(ROOT) + run_time_patches(ROOT, package="bench", skip=())
+    unlisted = [f"{u.path}:{u.line}: {u.how}" for u in uses if (u.path, u.name) not in RUN_TIME_PATCHES]
+    assert not unlisted, "run-time patches not listed in app/lightning_internals.py's RUN_TIME_PATCHES:\n" + (
+        "\n".join(unlisted)
+    )
+    stale = set(RUN_TIME_PATCHES) - {(u.path, u.name) for u in uses}
+    assert not stale, f"listed in RUN_TIME_PATCHES but no longer made: {sorted(stale)}"
+
+
+def _has(owner: str, name: str) -> bool:
+    """Whether ``owner`` ("module" or "module:Class") has ``name``: an attribute, ``self.name`` set in the source of
+    a class in its MRO, or a string key ``"name"`` in its source."""
     module_name, _, class_name = owner.partition(":")
     holder = importlib.import_module(module_name)
     if class_name:
         holder = getattr(holder, class_name)
-    found = hasattr(holder, name) or any(
-        re.search(rf"\bself\.{name}\b", inspect.getsource(cls)) for cls in inspect.getmro(holder) if cls is not object
-    )
-    assert found, f"{owner} has no {name} any more: {use[0]} needs another way ({reason})"
+    if hasattr(holder, name):
+        return True
+    sources = [inspect.getsource(c) for c in inspect.getmro(holder) if c is not object] if class_name else []
+    sources.append(inspect.getsource(holder))
+    return any(re.search(rf"\bself\.{name}\b|[\"']{name}[\"']", source) for source in sources)
+
+
+@pytest.mark.parametrize("use", sorted(PRIVATE_USES), ids="{0[0]}:{0[1]}".format)
+def test_each_listed_private_name_is_where_the_list_says(use):
+    """The contract: an upgrade that takes a listed name away fails here, by name, not deep in a run."""
+    owner, reason = PRIVATE_USES[use]
+    assert reason.strip()
+    assert _has(owner, use[1]), f"{owner} has no {use[1]} any more: {use[0]} needs another way ({reason})"
+
+
+@pytest.mark.parametrize("use", sorted(RUN_TIME_PATCHES), ids="{0[0]}:{0[1]}".format)
+def test_each_run_time_patch_replaces_what_the_list_says(use):
+    owner, reason = RUN_TIME_PATCHES[use]
+    assert reason.strip()
+    assert _has(owner, use[1]), f"{owner} has no {use[1]} any more: {use[0]} patches nothing ({reason})"
+
+
+def test_the_contract_check_fails_for_a_name_that_is_gone():
+    assert not _has("torch.optim.lr_scheduler:LRScheduler", "_gone_lr")
+    assert not _has("lightning.pytorch.cli", "_no_such_key")
 
 
 PLANTED = """
 import argparse
 import os
 
+import torch._dynamo as dynamo  # finds _dynamo
+import torch.nn.modules as modules
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torch.nn.modules.batchnorm import _BatchNorm  # finds _BatchNorm
 
@@ -183,9 +225,14 @@ class Spawned(DDPStrategy):
         super()._configure_launcher()  # finds _configure_launcher
 
 
-def read(trainer, parser: argparse.ArgumentParser, strategy):
+def read(trainer, parser: argparse.ArgumentParser, strategy, checkpoint, state):
     flags = parser._actions  # finds _actions
     connector = trainer._accelerator_connector  # finds _accelerator_connector
+    layer = modules.batchnorm._BatchNorm  # finds _BatchNorm
+    saved = checkpoint["hyper_parameters"].get("_class_path")  # finds _class_path
+    lr = state["_last_lr"]  # finds _last_lr
+    ours = {"_mine_too": 1}["_mine_too"]  # a key the module writes itself
+    dynamo.reset()
     os._exit(getattr(strategy, "_start_method", None))  # finds _start_method
 """
 
@@ -201,7 +248,33 @@ def test_the_guard_finds_each_kind_of_planted_use(tmp_path, monkeypatch):
     found = {(use.line, use.name) for use in scan(tmp_path, package="planted")}
     lines = PLANTED.splitlines()
     expected = {(i + 1, name) for i, line in enumerate(lines) for name in re.findall(r"# finds (\w+)", line)}
-    assert len(expected) == 8 and found == expected
+    assert len(expected) == 12 and found == expected
+
+
+PLANTED_PATCHES = """
+def patch(trainer, logger, callback, args, optimizer):
+    trainer.accumulate_grad_batches = 4  # finds accumulate_grad_batches
+    logger.log_metrics = print  # finds log_metrics
+    callback.last_model_path = "x"  # finds last_model_path
+    optimizer.step = None  # finds step
+    args.accelerator = "cpu"  # parsed arguments: not a library object
+    trainer.my_note = 1  # no library name
+
+
+class Mine:
+    def __init__(self):
+        self.monitor = "loss"  # its own attribute, on self
+"""
+
+
+def test_the_patch_guard_finds_each_planted_patch(tmp_path):
+    package = tmp_path / "planted"
+    package.mkdir()
+    (package / "mod.py").write_text(PLANTED_PATCHES)
+    found = {(use.line, use.name) for use in run_time_patches(tmp_path, package="planted")}
+    lines = PLANTED_PATCHES.splitlines()
+    expected = {(i + 1, name) for i, line in enumerate(lines) for name in re.findall(r"# finds (\w+)", line)}
+    assert len(expected) == 4 and found == expected
 
 
 def test_every_method_that_overrides_a_librarys_says_so():
@@ -221,13 +294,53 @@ def test_every_method_that_overrides_a_librarys_says_so():
             if not isinstance(cls, type):
                 continue
             bases = [b for b in cls.__mro__[1:] if b.__module__.partition(".")[0] in LIBRARIES]
-            for name, value in vars(cls).items():
-                function = value.fget if isinstance(value, property) else value
-                if name.startswith("__") or not inspect.isfunction(function) or not any(name in vars(b) for b in bases):
-                    continue
-                if not getattr(function, "__override__", False):
-                    missing.append(f"{path.relative_to(ROOT)}: {cls.__name__}.{name}")
+            missing += [f"{path.relative_to(ROOT)}: {cls.__name__}.{name}" for name in unmarked_overrides(cls, bases)]
     assert len(missing) == 0, "methods that override a library's without @override:\n" + "\n".join(missing)
+
+
+def unmarked_overrides(cls: type, bases: list[type]) -> list[str]:
+    """The methods, properties, static and class methods of ``cls`` that replace one of ``bases``' without
+    ``@override``."""
+    missing = []
+    for name, value in vars(cls).items():
+        function = value.fget if isinstance(value, property) else value
+        function = getattr(function, "__func__", function)  # a staticmethod's or classmethod's function
+        if name.startswith("__") or not inspect.isfunction(function) or not any(name in vars(b) for b in bases):
+            continue
+        if not getattr(function, "__override__", False) and not getattr(value, "__override__", False):
+            missing.append(name)
+    return missing
+
+
+def test_the_override_guard_sees_static_and_class_methods_and_properties():
+    from lightning.pytorch import Callback
+    from torch.autograd import Function
+    from typing_extensions import override
+
+    class Planted(Function):
+        @staticmethod
+        def forward(ctx, x):  # unmarked
+            return x
+
+        @staticmethod
+        @override
+        def backward(ctx, dy):
+            return dy
+
+    class Hooks(Callback):
+        @property
+        def state_key(self):  # unmarked
+            return "x"
+
+        def on_fit_start(self, trainer, pl_module):  # unmarked
+            pass
+
+        @override
+        def on_fit_end(self, trainer, pl_module):
+            pass
+
+    assert unmarked_overrides(Planted, [Function, *Function.__mro__[1:]]) == ["forward"]
+    assert unmarked_overrides(Hooks, [Callback]) == ["state_key", "on_fit_start"]
 
 
 def test_loop_counters_and_the_checkpoints_loop_layout(tmp_path):

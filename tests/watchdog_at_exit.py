@@ -11,6 +11,7 @@ its heartbeat before it shuts down.
     python -m tests.watchdog_at_exit none     # neither (the wait taken away): the negative control, SIGABRT
 """
 
+import contextlib
 import sys
 import time
 from datetime import timedelta
@@ -30,10 +31,8 @@ class SlowStore:
         method = getattr(self.store, name)
 
         def slow(*args):
-            try:
+            with contextlib.suppress(Exception):  # the wait's timeout
                 self.store.wait(["never set"], timedelta(milliseconds=800))
-            except Exception:  # noqa: BLE001 (the wait's timeout)
-                pass
             return method(*args)
 
         return slow

@@ -147,6 +147,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @override
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum):
         channels = x.shape[1]
         dims = [d for d in range(x.dim()) if d != 1]
@@ -174,6 +175,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return y
 
     @staticmethod
+    @override
     def backward(ctx, dy):
         x_hat, weight, invstd, total = ctx.saved_tensors
         dims, shape = ctx.dims, ctx.shape

@@ -67,6 +67,7 @@ class MPILaunchEnvironment(ClusterEnvironment):
         return True
 
     @staticmethod
+    @override
     def detect() -> bool:
         return launcher_ranks() is not None
 
