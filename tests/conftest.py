@@ -1,5 +1,6 @@
 import fcntl
 import os
+import resource
 import sys
 from contextlib import contextmanager
 from functools import cache
@@ -33,6 +34,32 @@ def pytest_runtest_setup(item):
     import app.quiet
 
     app.quiet.install()
+
+
+FAST_CHILD_CPU = 1.0  # CPU-seconds a test not marked slow may spend in the processes it starts and waits for
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_interpreter(request):
+    """A test not marked slow spends at most FAST_CHILD_CPU seconds of CPU in the processes it starts (counted by the
+    kernel for the children it waited for): no new interpreter that imports torch (3 to 7 CPU-s here), no torchrun,
+    mpirun or spawned rank. ``make test-fast`` is the inner loop. A test that needs one is marked slow; this fails
+    it, with the figure, when it is not. A fork of the warm interpreter (tests/warm.py: a child of its server, not of
+    the test) costs the test nothing here, and little anywhere: it has nothing to import."""
+    before = _children_cpu()
+    yield
+    spent = _children_cpu() - before
+    if spent > FAST_CHILD_CPU and not request.node.get_closest_marker("slow"):
+        pytest.fail(
+            f"not marked slow, but its child processes took {spent:.1f} CPU-s (at most {FAST_CHILD_CPU:g} for a fast "
+            "test: a new interpreter importing torch takes 3 to 7); mark it @pytest.mark.slow",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(autouse=True)

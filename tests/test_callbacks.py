@@ -54,6 +54,7 @@ def _sync_bn_worker(rank: int, world: int, port: int, x: torch.Tensor, g: torch.
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_allreduce_batchnorm_equals_one_process_on_the_whole_batch(tmp_path):
     """2 gloo processes with uneven batches (5 and 3): outputs, every gradient and running stats as one process."""
     torch.manual_seed(1)

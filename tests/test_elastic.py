@@ -785,6 +785,7 @@ def test_after_a_restart_the_launchers_node_count_wins(monkeypatch):
     assert config.num_nodes == 1
 
 
+@pytest.mark.slow
 def test_num_nodes_that_torchrun_did_not_start_is_refused_at_every_start(tmp_path):
     port = find_free_network_port()
     command = [
@@ -860,6 +861,7 @@ def test_a_restart_after_the_run_finished_trains_nothing(monkeypatch, tmp_path, 
     assert finished_run_of(logs, job, agent_id()) is None  # another job's run: this start trains its own
 
 
+@pytest.mark.slow
 def test_torchrun_refuses_more_minimum_nodes_than_maximum(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:1", "--nproc_per_node=1", str(ROOT / "cli.py")],

@@ -77,6 +77,7 @@ def test_the_import_reader_sees_lazy_and_relative_imports_of_the_example(tmp_pat
     assert "app.fashion_mnist" in _imports(inside, root=tmp_path)
 
 
+@pytest.mark.slow
 def test_the_machinery_never_imports_the_example_task():
     """Statically (every import statement, in functions too) and at run time (what importing it loads)."""
     machinery = [p for p in (ROOT / "app").rglob("*.py") if EXAMPLE_TASK not in p.parents]
@@ -140,6 +141,7 @@ def test_the_machinery_tests_never_use_the_example_task():
             assert name not in text or path.name == "conftest.py" and name != "data_dir", f"{path.name}: {name}"
 
 
+@pytest.mark.slow
 def test_a_fork_without_the_example_still_has_every_machinery_test(tmp_path):
     """The fork itself: the tree without app/fashion_mnist and tests/fashion_mnist, cli.py pointed at another task.
     Every machinery test module still imports (a test that imported bench/, which measures the example, did not),

@@ -141,9 +141,10 @@ def test_an_mpirun_that_outlives_all_its_ranks_is_ended_as_a_failed_launch(hangs
     (stand_in / "_mpi_worker.py").write_text("import time\ntime.sleep(1)\n")
     folder = tmp_path / "horovod-launch-x"
     folder.mkdir()
-    rank = f'"{sys.executable}" -m app.strategies._mpi_worker "{folder / "job.pkl"}" result.pkl'
+    rank = f'cd "{stand_in.parents[1]}" && "{sys.executable}" -m app.strategies._mpi_worker "{folder / "job.pkl"}" r'
     after = "sleep 600" if hangs else "exit 0"
-    mpirun = ["sh", "-c", f"{rank} & wait; echo $$ > {tmp_path / 'mpirun.pid'}; {after}", "app.strategies._mpi_worker"]
+    script = f"({rank}) & wait; echo $$ > {tmp_path / 'mpirun.pid'}; {after}"
+    mpirun = ["sh", "-c", script, "app.strategies._mpi_worker"]  # its own command line holds the rank's words too
     env = dict(os.environ, PYTHONPATH=str(stand_in.parents[1]))
     t0 = time.monotonic()
     with StopSignals() as stops:

@@ -270,6 +270,7 @@ with TwoNodes() as net:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
 def test_a_killed_test_run_leaves_nothing_once_the_next_run_starts(signum, tmp_path):
     """The process holding the nodes is sent SIGTERM (which the harness turns into KeyboardInterrupt: the ``with``
@@ -330,6 +331,7 @@ def lone_rank(node_rank: int, root: Path) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "case",
     ["Debian's 127.0.1.1 line for the host name", "no hosts entry for the host name"],

@@ -95,6 +95,7 @@ def launch_a_rank(tmp_path, how: str, real_children: bool = False) -> tuple[list
     return result.stdout.splitlines(), script
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("real_children", [False, True])
 def test_the_ranks_lightnings_launcher_starts_in_a_warm_run_are_warm_unless_asked(real_children, tmp_path):
     """Lightning's ddp launcher starts ``sys.executable script ARGS`` with ``subprocess.Popen``: in a warm run the

@@ -222,6 +222,7 @@ def accuracy_of_test_run(version_dir) -> float:
     return acc
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", ["generated", pytest.param("real", marks=needs_system_copy)])
 def test_an_exported_program_scores_the_test_set_as_its_checkpoint_with_torch_alone(data, run_dir, data_dir, request):
     """``cli.py export --out model.pt2`` gives a program that needs torch alone, and it scores the test images
