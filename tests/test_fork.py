@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.arguments import Parser
 from app.callbacks.prediction_writer import batch_labels, prediction_columns
 from app.checks import names_class
 from app.defaults import checkpoint_options
@@ -260,7 +261,10 @@ def test_a_named_class_that_cannot_be_imported_is_one_line_saying_where(tmp_path
         assert len(err) == 1 and err[0].startswith(f"error: --model={class_path}: {message}"), err
 
 
-def test_which_command_lines_name_a_class(tmp_path):
+def test_which_command_lines_name_a_class(tmp_path, monkeypatch):
+    # the --config files of the command line being run (cli.py reads them first): none here, whatever an earlier
+    # in-process run of this worker read (a config naming a model class made the fourth line fail, by test order)
+    monkeypatch.setattr(Parser, "config_files", {})
     assert names_class(["fit", "--model=mypkg.Net"], "model")
     assert names_class(["fit", "--model", "Net"], "model")
     assert names_class(["fit", "--data.class_path=mypkg.Data"], "data")

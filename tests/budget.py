@@ -1,0 +1,130 @@
+"""The suite's time budget and its expected skips, checked at the end of every whole run (a pytest plugin, loaded
+by tests/conftest.py).
+
+- Time. ``make test`` (the whole suite) has :data:`SUITE_MINUTES`; ``make test-fast`` (``-m "not slow"``) has
+  :data:`FAST_MINUTES`, on the project's 2-core machine. A whole run that takes longer fails, with one line naming
+  the files over their own budget (:data:`FILE_SECONDS`: seconds of test time, setup and teardown included, summed
+  over the workers). A run of some files, ``-k`` or another selection is not held to a budget.
+- Skips. Under CI (``CI=true``) a whole run fails on a skip whose reason is not expected on this machine: no CUDA
+  device, no horovod build (:data:`EXPECTED_SKIPS`), and what ``.ci/run`` could not install, which it names in
+  ``TEMPLATE_EXPECTED_SKIPS`` (a regular expression). Everything else this machine can run, so it must run: the
+  two-node tests and the real-data tests skipping because a probe failed would otherwise pass unseen.
+
+The per-file budgets are about 1.5 times each file's time in the fresh-clone run of 2026-11-27 (docs/testing.md,
+"Time budget"); a new file gets :data:`NEW_FILE_SECONDS` until it is listed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import Counter
+
+import pytest
+
+SUITE_MINUTES = 40
+FAST_MINUTES = 2
+NEW_FILE_SECONDS = 60
+FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (2 workers)
+    "tests/test_elastic.py": 560,
+    "tests/test_as_users_run_it.py": 430,
+    "tests/test_reliability.py": 380,
+    "tests/test_two_nodes.py": 350,
+    "tests/test_fork.py": 270,
+    "tests/test_chaos.py": 210,
+    "tests/test_model_parallel.py": 190,
+    "tests/fashion_mnist/test_data.py": 170,
+    "tests/fashion_mnist/test_tools.py": 130,
+    "tests/test_callbacks.py": 110,
+    "tests/test_strategies.py": 110,
+    "tests/fashion_mnist/test_example_task.py": 80,
+    "tests/test_reductions.py": 60,
+    "tests/test_cli.py": 60,
+    "tests/fashion_mnist/test_speed_options.py": 50,
+    "tests/test_launcher.py": 40,
+    "tests/test_divergence.py": 30,
+    "tests/test_lightning_internals.py": 30,
+    "tests/test_warm.py": 20,
+    "tests/fashion_mnist/test_example_cli.py": 20,
+    "tests/fashion_mnist/test_networks.py": 10,
+    "tests/test_host_overhead.py": 10,
+    "tests/test_atomic.py": 10,
+    "tests/test_interpreters.py": 10,
+    "tests/test_docker.py": 10,
+    "tests/fashion_mnist/test_gpu_recipe.py": 10,
+    "tests/test_gpu.py": 10,
+}
+EXPECTED_SKIPS = (
+    r"no CUDA device",
+    r"needs two CUDA devices",
+    r"horovod is not importable",
+)
+
+
+def whole_run(config) -> str | None:
+    """``"make test"``, ``"make test-fast"``, or None for a run of a selection."""
+    testpaths = [str(p) for p in config.getini("testpaths")]
+    selected = [a for a in config.args if a not in testpaths and a.rstrip("/") not in testpaths]
+    if selected or config.option.keyword or getattr(config.option, "lf", False) or config.option.deselect:
+        return None
+    markers = (config.option.markexpr or "").strip()
+    return {"": "make test", "not slow": "make test-fast"}.get(markers)
+
+
+class Budget:
+    def __init__(self, config) -> None:
+        self.kind = whole_run(config)
+        self.started = time.monotonic()
+        self.spent: Counter[str] = Counter()
+        self.skips: list[tuple[str, str]] = []
+        self.lines: list[str] = []
+        extra = os.environ.get("TEMPLATE_EXPECTED_SKIPS", "")
+        self.expected = re.compile("|".join([*EXPECTED_SKIPS, *([extra] if extra else [])]))
+
+    def pytest_runtest_logreport(self, report) -> None:
+        self.spent[report.nodeid.split("::")[0]] += report.duration
+        if report.skipped:
+            reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.skips.append((report.nodeid, reason.removeprefix("Skipped: ")))
+
+    def pytest_sessionfinish(self, session, exitstatus) -> None:
+        if self.kind is None:
+            return
+        wall = time.monotonic() - self.started
+        budget = (SUITE_MINUTES if self.kind == "make test" else FAST_MINUTES) * 60
+        self.lines.append(f"time budget ({self.kind}): {_clock(wall)} of {_clock(budget)}")
+        if wall > budget:
+            if self.kind == "make test":
+                over = sorted(
+                    ((s, f) for f, s in self.spent.items() if s > FILE_SECONDS.get(f, NEW_FILE_SECONDS)), reverse=True
+                )
+                named = [f"{f} {s:.0f} s (budget {FILE_SECONDS.get(f, NEW_FILE_SECONDS)} s)" for s, f in over]
+            else:
+                named = [f"{f} {s:.0f} s" for f, s in self.spent.most_common(5)]
+            self.lines.append(
+                f"error: {self.kind} took {_clock(wall)}, over its budget of {_clock(budget)}; "
+                + ("files over their budget: " if self.kind == "make test" else "the slowest files: ")
+                + ("; ".join(named) or "none (the machine was slow: rerun, and compare docs/testing.md's table)")
+            )
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if os.environ.get("CI") == "true":
+            unexpected = [(nodeid, reason) for nodeid, reason in self.skips if not self.expected.search(reason)]
+            for nodeid, reason in unexpected:
+                self.lines.append(f"error: skipped on CI, where it can run: {nodeid}: {reason}")
+            if unexpected:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        for line in self.lines:
+            terminalreporter.write_line(line, red=line.startswith("error"), bold=line.startswith("error"))
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds // 60)} min {int(seconds % 60)} s"
+
+
+def register(config) -> None:
+    """From pytest_configure: in the process that reports (not in a pytest-xdist worker)."""
+    if not hasattr(config, "workerinput"):
+        config.pluginmanager.register(Budget(config), "template-budget")
