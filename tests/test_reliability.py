@@ -261,10 +261,17 @@ DROPOUT = ("--model.dropout=0.3", "--trainer.max_epochs=2")  # random numbers in
 
 
 def stop_and_resume(folder: Path, stop: tuple[str, ...], resume: tuple[str, ...], rank: int = 0) -> Path:
-    """SIGTERM after step 5 (of 8 in epoch 0), then ``--ckpt_path last``: the resumed run's folder."""
+    """SIGTERM after step 5 (of 8 in epoch 0), then ``--ckpt_path last``: the resumed run's folder. The stop is
+    mid-epoch, where the signal came: a stop honoured only at the epoch's end (step 8) would pass every comparison
+    of weights, so its step is checked too: 5 on one process; with ranks, at most two steps later (the ranks agree on
+    a stop over an all-reduce that runs a step behind, and the signal may come after this step's was sent)."""
     folder.mkdir()
     stopped = fit(folder, *stop, signal_at_step(5, "SIGTERM", rank))
     assert stopped.returncode == 143, stopped.stderr[-3000:]
+    [run] = versions(folder)
+    step = last_ckpt(run)["global_step"]
+    assert 5 <= step < 8, step  # inside epoch 0, whose 8th step ends it
+    assert f"SIGTERM: stopped after step {step} (epoch 0)" in stopped.stdout + stopped.stderr, stopped.stderr[-3000:]
     resumed = fit(folder, *resume, "--ckpt_path=last")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return versions(folder)[-1]
@@ -310,6 +317,49 @@ def test_a_dropout_run_resumed_at_another_world_size_is_the_same_every_time(tmp_
         again.stdout + again.stderr
     )
     assert_same_weights(last_ckpt(versions(tmp_path / "again")[-1]), last_ckpt(first))
+
+
+def test_a_resume_on_more_ranks_seeds_each_rank_from_the_seed_the_step_and_its_rank(tmp_path):
+    """One process stopped mid-epoch, resumed on 2 ranks: no rank can draw what the one process would have. Each
+    seeds its generators with derived_seed(42, step, rank) at its first batch, compared here with that value, not
+    with another resume (which a rank-blind or step-blind seed, or no seeding at all, would equal as well)."""
+    from app.generators import derived_seed
+
+    record = {"class_path": "tests.record_seed.RecordSeed", "init_args": {"folder": str(tmp_path / "seeds")}}
+    folder = tmp_path / "run"
+    folder.mkdir()
+    stopped = fit(folder, *DROPOUT, signal_at_step(5, "SIGTERM", 0))
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    resumed = fit(
+        folder, *STRATEGIES["ddp"], *DROPOUT, "--ckpt_path=last", "--trainer.callbacks+=" + json.dumps(record)
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    seeds = {r["rank"]: r for r in map(json.loads, map(Path.read_text, (tmp_path / "seeds").glob("rank-*.json")))}
+    assert sorted(seeds) == [0, 1]
+    [step] = {r["step"] for r in seeds.values()}  # the step resumed from, the stop's (mid-epoch)
+    assert 5 <= step < 8 and f"stopped after step {step} (epoch 0)" in stopped.stderr + stopped.stdout
+    assert seeds[0]["seed"] == derived_seed(42, step, 0) and seeds[1]["seed"] == derived_seed(42, step, 1)
+    assert seeds[0]["seed"] != seeds[1]["seed"] and derived_seed(42, step + 1, 0) != seeds[0]["seed"]  # rank, step
+    assert 42 not in {r["seed"] for r in seeds.values()}  # not the CLI's seeding of the start
+
+
+def test_a_survivors_checkpoint_without_the_lost_ranks_generators_seeds_every_rank():
+    """A survivor's save holds its own generators only (the lost rank's are gone): a restart on the same world size
+    cannot give every rank its own saved state, so every rank takes its derived seed, not the survivor's state."""
+    from types import SimpleNamespace
+
+    from app.callbacks.random_state import RandomState
+    from app.generators import derived_seed, generator_states
+
+    saved = {"world_size": 2, "seed": 7, "ranks": {0: generator_states()}}  # rank 1's are missing
+    for rank in (0, 1):
+        callback = RandomState()
+        trainer = SimpleNamespace(global_rank=rank, world_size=2, state=SimpleNamespace(fn="fit"))
+        callback.on_load_checkpoint(trainer, None, {"global_step": 9, "callbacks": {callback.state_key: saved}})
+        assert callback._restore == {"seed": derived_seed(7, 9, rank)}
+    whole = {**saved, "ranks": {0: generator_states(), 1: generator_states()}}  # the control: every rank's state
+    callback.on_load_checkpoint(trainer, None, {"global_step": 9, "callbacks": {callback.state_key: whole}})
+    assert set(callback._restore) == {"state"}
 
 
 def test_a_stop_inside_an_accumulation_window_finishes_the_window_and_resumes_exactly(tmp_path):

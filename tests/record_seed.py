@@ -1,0 +1,25 @@
+"""A test-only callback: each rank writes the seed its generators had at its first training batch of this start
+(``torch.initial_seed()``, the last ``torch.manual_seed``), to ``folder/rank-N.json``."""
+
+import json
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback
+
+
+class RecordSeed(Callback):
+    def __init__(self, folder: str) -> None:
+        self.folder, self.done, self.step = Path(folder), False, None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if self.step is None:
+            self.step = trainer.global_step  # the step this start resumed from
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self.done:  # (the seed is read here: the template's RandomState seeds at the batch's start)
+            return
+        self.done = True
+        self.folder.mkdir(parents=True, exist_ok=True)
+        record = {"rank": trainer.global_rank, "step": self.step, "seed": torch.initial_seed()}
+        (self.folder / f"rank-{trainer.global_rank}.json").write_text(json.dumps(record))
