@@ -465,3 +465,46 @@ def test_activation_checkpointing_refuses_a_compiled_model_in_one_line():
     with pytest.raises(UserError) as error:
         net(torch.randn(2, 1, 8, 8)).sum().backward()
     assert str(error.value) == COMPILE_REFUSED
+
+
+@pytest.mark.parametrize("schedule", ["LambdaLR", "OneCycleLR", "StepLR"])
+def test_a_new_lr_on_resume_makes_the_schedulers_base_what_an_unbroken_run_at_that_lr_has(schedule):
+    """A fit resumed with lr 0.1 -> 0.2 after 3 scheduler steps: the next lr is what a run at 0.2 from the start has
+    at that step, for schedules that read the scheduler's base_lrs (LambdaLR, StepLR) and the param groups'
+    initial/max lr (OneCycleLR). A stale base_lrs (the restored 0.1) would give half of it."""
+    from types import SimpleNamespace
+
+    from torch.optim.lr_scheduler import LambdaLR, OneCycleLR, StepLR
+
+    from app.callbacks.resume_settings import apply_changes, built_settings
+
+    def build(lr: float):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=lr, momentum=0.9)
+        if schedule == "LambdaLR":
+            scheduler = LambdaLR(optimizer, lambda epoch: 0.8**epoch)
+        elif schedule == "OneCycleLR":
+            scheduler = OneCycleLR(optimizer, max_lr=lr, total_steps=10)
+        else:
+            scheduler = StepLR(optimizer, step_size=2, gamma=0.5)
+        trainer = SimpleNamespace(optimizers=[optimizer], lr_scheduler_configs=[SimpleNamespace(scheduler=scheduler)])
+        return optimizer, scheduler, built_settings(trainer)
+
+    def steps(optimizer, scheduler, n: int) -> float:
+        for _ in range(n):
+            optimizer.step()
+            scheduler.step()
+        return optimizer.param_groups[0]["lr"]
+
+    old_optimizer, old_scheduler, then = build(0.1)
+    steps(old_optimizer, old_scheduler, 3)
+    checkpoint = {"optimizer_states": [old_optimizer.state_dict()], "lr_schedulers": [old_scheduler.state_dict()]}
+    optimizer, scheduler, now = build(0.2)
+    changes = apply_changes(checkpoint, now, then, "last.ckpt")
+    assert any(change.startswith("lr ") for change in changes), changes
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    scheduler.load_state_dict(checkpoint["lr_schedulers"][0])
+    resumed = steps(optimizer, scheduler, 2)
+    unbroken_optimizer, unbroken_scheduler, _ = build(0.2)
+    unbroken = steps(unbroken_optimizer, unbroken_scheduler, 5)
+    assert resumed == pytest.approx(unbroken, rel=1e-12), (resumed, unbroken, changes)
+    assert scheduler.base_lrs == pytest.approx(unbroken_scheduler.base_lrs, rel=1e-12)
