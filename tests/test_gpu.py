@@ -1,5 +1,5 @@
 """On a CUDA device: the machinery's CUDA paths (dp's replicas under autocast, Adasum's fixed summation order, horovod
-ranks each bound to a GPU of their own).
+ranks each bound to a GPU of their own, a dropout model's exact resume with CUDA's generators).
 
 Skipped where there is no CUDA device (this project's CI machine). The example task's fast recipe on a GPU:
 tests/fashion_mnist/test_gpu_recipe.py.
