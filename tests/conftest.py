@@ -1,6 +1,8 @@
 import fcntl
+import multiprocessing
 import os
 import resource
+import subprocess
 import sys
 from contextlib import contextmanager
 from functools import cache
@@ -48,16 +50,34 @@ def _children_cpu() -> float:
 
 
 @pytest.fixture(autouse=True)
-def _fast_tests_start_no_interpreter(request):
+def _fast_tests_start_no_interpreter(request, monkeypatch):
     """A test not marked slow spends at most FAST_CHILD_CPU seconds of CPU in the processes it starts (counted by the
-    kernel for the children it waited for): no new interpreter that imports torch (3 to 7 CPU-s here), no torchrun,
+    kernel for the children waited for): no new interpreter that imports torch (3 to 7 CPU-s here), no torchrun,
     mpirun or spawned rank. ``make test-fast`` is the inner loop. A test that needs one is marked slow; this fails
-    it, with the figure, when it is not. A fork of the warm interpreter (tests/warm.py: a child of its server, not of
-    the test) costs the test nothing here, and little anywhere: it has nothing to import."""
+    it, with the figure, when it is not. Only a test that started a process is judged: an earlier test's leftover
+    child reaped meanwhile (``subprocess`` reaps finished children when it starts one) is not its cost. A fork of the
+    warm interpreter (tests/warm.py: a child of its server, not of the test) costs the test nothing here, and little
+    anywhere: it has nothing to import."""
+    if request.node.get_closest_marker("slow"):
+        yield
+        return
+    started = []
+    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+
+    def popen(self, *args, **kwargs):
+        started.append(args[0] if args else kwargs.get("args"))
+        popen_init(self, *args, **kwargs)
+
+    def start(self):
+        started.append(self)
+        return process_start(self)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", start)
     before = _children_cpu()
     yield
     spent = _children_cpu() - before
-    if spent > FAST_CHILD_CPU and not request.node.get_closest_marker("slow"):
+    if started and spent > FAST_CHILD_CPU:
         pytest.fail(
             f"not marked slow, but its child processes took {spent:.1f} CPU-s (at most {FAST_CHILD_CPU:g} for a fast "
             "test: a new interpreter importing torch takes 3 to 7); mark it @pytest.mark.slow",

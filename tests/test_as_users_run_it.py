@@ -478,7 +478,14 @@ def test_a_stopped_horovod_rank_does_not_outlive_its_launcher(tmp_path):
     saved = re.search(r"\[rank 0\] Saved the state after step 2 to \S+last\.ckpt; the launcher restarts", output)
     assert saved, output[-3000:]  # from rank 0's watchdog thread: its collective with rank 1 hangs
     assert not rank_processes(str(own_tmp))  # no rank of this run left, stopped or not
-    assert result.returncode == 0 and "restart 1 of at most 1 on 1 rank(s)" in output, output[-3000:]
+    # mpirun's exit orphans the ranks' process group, and the kernel wakes the stopped rank (SIGCONT): its next
+    # collective fails and it may save the same state after step 2 before the launcher's SIGKILL lands (within the
+    # launcher's poll of mpirun). Then no rank is lost, and the restart is on both (a fresh-clone run at 52f1ab0).
+    restart = re.search(
+        r"horovod: (rank\(s\) 1 lost|no rank lost) .* restart 1 of at most 1 on ([12]) rank\(s\)", output
+    )
+    assert result.returncode == 0 and restart, output[-3000:]
+    assert (restart.group(1) == "no rank lost") == (restart.group(2) == "2"), restart.group(0)
 
 
 @pytest.mark.parametrize("moment", ["kill_before_replace", "kill_after_replace"])

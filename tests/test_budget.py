@@ -71,3 +71,63 @@ def test_what_counts_as_a_whole_run():
     assert whole_run(config(args=["tests/test_cli.py"])) is None
     assert whole_run(config(keyword="budget")) is None
     assert whole_run(config(markexpr="slow")) is None
+
+
+PLANTED = """
+import subprocess
+import sys
+
+import pytest
+
+
+def test_fast_but_starts_lightning():
+    subprocess.run([sys.executable, "-c", "import lightning.pytorch"], check=True)
+
+
+@pytest.mark.slow
+def test_slow_and_starts_lightning():
+    subprocess.run([sys.executable, "-c", "import lightning.pytorch"], check=True)
+
+
+def test_fast_and_starts_a_bare_interpreter():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_fast_test_that_starts_an_interpreter_importing_torch_fails(tmp_path):
+    """tests/conftest.py's guard on a planted file: the fast test that starts ``python -c "import lightning.pytorch"``
+    fails (at its teardown) with the CPU its child took; the same marked slow, and a fast one starting a bare
+    interpreter, pass."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    (tmp_path / "conftest.py").write_text("from tests.conftest import _fast_tests_start_no_interpreter  # noqa: F401\n")
+    (tmp_path / "test_planted.py").write_text(PLANTED)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "-o",
+            "markers=slow",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    output = result.stdout + result.stderr
+    assert "3 passed, 1 error" in output, output[-3000:]
+    assert "ERROR test_planted.py::test_fast_but_starts_lightning" in output, output[-3000:]
+    assert "not marked slow, but its child processes took" in output
