@@ -52,7 +52,7 @@ FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (
     "tests/test_atomic.py": 10,
     "tests/test_interpreters.py": 10,
     "tests/test_docker.py": 10,
-    "tests/test_budget.py": 10,
+    "tests/test_budget.py": 30,
     "tests/fashion_mnist/test_gpu_recipe.py": 10,
     "tests/test_gpu.py": 10,
 }
