@@ -393,3 +393,93 @@ def test_the_fsdp_name_list_the_accelerator_connector_checks():
     assert "get_registered_strategies" in inspect.getsource(accelerator_connector._AcceleratorConnector)
     assert "fsdp" not in FSDPStrategy.get_registered_strategies()  # import app freed it
     assert isinstance(Trainer(strategy="fsdp", accelerator="cpu", devices=1, logger=False).strategy, TemplateFSDP)
+
+
+def test_the_training_step_helpers_by_name_on_a_real_fit(tmp_path):
+    """validation_follows, step_row, log_step_now and refresh_last_checkpoint, called where the template calls them
+    (``on_train_batch_end``, a save point) on a real fit: a Lightning upgrade that renames what they read fails here,
+    by name, not deep inside a run."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from app.lightning_internals import log_step_now, refresh_last_checkpoint, step_row, validation_follows
+
+    class Logged(BoringModel):
+        def training_step(self, batch, batch_idx):
+            out = super().training_step(batch, batch_idx)
+            self.log("train_loss", out["loss"])
+            return out
+
+    last = ModelCheckpoint(dirpath=tmp_path / "refreshed", save_last=True, save_top_k=0)
+    seen = []
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            row = step_row(trainer)
+            log_step_now(trainer)
+            seen.append((trainer.current_epoch, batch_idx, validation_follows(trainer), row))
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            refresh_last_checkpoint(last, trainer, at_train_epoch_end=last._should_save_on_train_epoch_end(trainer))
+
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", max_epochs=2, limit_train_batches=3, limit_val_batches=1,
+        log_every_n_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Probe(), last],
+    )  # fmt: skip
+    trainer.fit(Logged())
+    assert [follows for *_, follows, _ in seen] == [False, False, True] * 2  # the epoch's last batch validates
+    rows = [row for *_, row in seen]
+    assert [row["step"] for row in rows] == list(range(6)) and all("train_loss" in row["values"] for row in rows)
+    assert {row["epoch"] for row in rows} == {0, 1}
+    assert (tmp_path / "refreshed" / "last.ckpt").is_file()
+
+
+def test_the_checkpoint_layout_helpers_by_name(tmp_path):
+    """fit_loop_of, restart_validation and resume_into_validation change a real checkpoint's loop state, which a new
+    fit loop then loads; saving_alone captures a save instead of writing it and gives the strategy its methods back;
+    spawned_ranks_launcher knows ddp_spawn's launcher; free_strategy_name edits FSDPStrategy's list."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from app.lightning_internals import (
+        fit_loop_of,
+        free_strategy_name,
+        restart_validation,
+        resume_into_validation,
+        saves_alone,
+        saving_alone,
+        spawned_ranks_launcher,
+    )
+
+    def trainer(**more):
+        return Trainer(
+            default_root_dir=tmp_path, accelerator="cpu", max_epochs=1, limit_train_batches=2, limit_val_batches=1,
+            logger=False, enable_progress_bar=False, enable_model_summary=False, **more,
+        )  # fmt: skip
+
+    fitted = trainer()
+    fitted.fit(BoringModel())
+    fitted.save_checkpoint(tmp_path / "a.ckpt")
+    checkpoint = torch.load(tmp_path / "a.ckpt", weights_only=True)
+    loop = fit_loop_of(checkpoint)
+    assert loop is checkpoint["loops"]["fit_loop"]
+    resume_into_validation(loop)
+    progress = loop["epoch_loop.batch_progress"]
+    assert progress["current"]["completed"] == progress["current"]["processed"]
+    restart_validation(loop)
+    assert loop["epoch_loop.val_loop.batch_progress"]["current"]["started"] == 0
+    fresh = trainer()
+    fresh.fit_loop.load_state_dict(loop)  # Lightning takes the changed state: every key is one it has
+
+    with saving_alone(fitted.strategy) as captured:
+        assert saves_alone(fitted.strategy)
+        fitted.save_checkpoint(tmp_path / "b.ckpt")
+    assert "state_dict" in captured["checkpoint"] and not (tmp_path / "b.ckpt").exists()
+    assert not saves_alone(fitted.strategy) and "barrier" not in vars(fitted.strategy)
+
+    assert spawned_ranks_launcher(trainer(strategy="ddp_spawn", devices=2).strategy) is not None
+    assert spawned_ranks_launcher(trainer(strategy="ddp", devices=2).strategy) is None
+    FSDPStrategy._registered_strategies.append("planted_fsdp")
+    free_strategy_name("planted_fsdp")
+    assert "planted_fsdp" not in FSDPStrategy._registered_strategies
