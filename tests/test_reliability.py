@@ -609,6 +609,40 @@ def test_a_rank_killed_with_sigkill_stops_the_others_naming_it(strategy, victim,
     load_checkpoint(last)
 
 
+def test_after_a_verdict_that_saves_nothing_the_training_thread_writes_nothing():
+    """The verdict's thread removes the run folder of a run that trained nothing and ends the process. The training
+    thread, whose collective failed meanwhile, went on to Lightning's next step, the loggers' finalize, and wrote
+    metrics.csv back into the removed folder (the test below, once under load at c556522). It now waits in
+    on_exception for the end that the verdict's thread brings; with a save to make (the Elastic callback's, after
+    this hook) it goes on."""
+    import threading
+    from types import SimpleNamespace
+
+    from app.callbacks.rank_watchdog import RankWatchdog
+
+    def on_exception(watchdog) -> threading.Thread:
+        verdict = threading.Event()
+        verdict.set()
+        watchdog._heartbeat = SimpleNamespace(verdict=verdict, finish=lambda failed: None)
+        error = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc] Connection closed by peer")
+        thread = threading.Thread(target=watchdog.on_exception, args=(None, None, error), daemon=True)
+        thread.start()
+        return thread
+
+    watchdog = RankWatchdog(timeout=1.0)
+    waiting = on_exception(watchdog)
+    waiting.join(1.0)
+    assert waiting.is_alive()  # held: the verdict's thread ends the process
+    watchdog._ending.set()
+    waiting.join(5)
+    assert not waiting.is_alive()
+    saving = RankWatchdog(timeout=1.0)
+    saving.expect_save()
+    going_on = on_exception(saving)
+    going_on.join(5)
+    assert not going_on.is_alive()  # the Elastic callback's save comes next
+
+
 @pytest.mark.parametrize("action", ["kill", "error"])
 def test_a_ddp_rank_lost_before_the_first_step_stops_rank_0_in_one_line_with_exit_1_and_no_empty_run(action, tmp_path):
     """Rank 1 is SIGKILLed, or raises, as the first training batch starts. Lightning's child observer SIGKILLed

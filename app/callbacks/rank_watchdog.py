@@ -294,10 +294,17 @@ class RankWatchdog(Callback):
         self._save_reported = False
         self._strategy = None  # what the verdict's line says depends on it (sharded or not)
         self._preemption: Preemption | None = None  # a stop signal it received changes what the verdict says
+        self._ending = threading.Event()  # never set: what the training thread waits on while a verdict ends it
 
     def __getstate__(self) -> dict:
         # The horovod self-launch pickles the trainer into its ranks: the launching process's cleanups stay there.
-        return {**self.__dict__, "before_exit": [], "_save_now": None, "cut_off": None, "mpi_daemon": None}
+        return {
+            **self.__dict__,
+            **{"before_exit": [], "_save_now": None, "cut_off": None, "mpi_daemon": None, "_ending": None},
+        }
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _ending=threading.Event())
 
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
@@ -444,6 +451,12 @@ class RankWatchdog(Callback):
         # heartbeat verdict: wait for the verdict, which names the rank and exits. Otherwise this rank is leaving.
         if self._heartbeat is not None and _looks_like_lost_peer(exception):
             self._heartbeat.verdict.wait(self.timeout + 3 * self.interval)
+        if self._heartbeat is not None and self._heartbeat.verdict.is_set() and self._save is None:
+            # The verdict's thread says its line, runs the cleanups (a run folder of a run that trained nothing is
+            # removed) and ends the process; no save is waited for. This thread must write nothing meanwhile: the
+            # loggers' finalize (Lightning's next step here) wrote metrics.csv back into the removed folder (seen
+            # under load). Bounded, should that thread fail to end the process.
+            self._ending.wait(self.timeout + 3 * self.interval + 5)
         planned = isinstance(exception, SystemExit | KeyboardInterrupt)  # all ranks stop together (a preemption)
         self._finish(failed=not planned)  # the save announced by expect_save, if any, comes after (in turn)
 
