@@ -523,18 +523,22 @@ def test_a_rank_lost_in_the_last_validation_is_restarted_into_that_validation(tm
     assert re.search(rf"epoch {EPOCHS - 1} \| val acc [\d.]+ \| resumed after its training \| 1 x cpu", output), output
 
 
-def horovod_run_with_fault(tmp_path: Path, fault: dict) -> Path:
-    """The self-launched horovod strategy on 2 ranks with max_restarts=1 and one ``tests.faults.Fault``; it must
-    end with exit 0. Returns its one run folder."""
-    root, records = tmp_path / "runs", tmp_path / "records"
-    args = fit_args(root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
+def horovod_fault_run(tmp_path: Path, fault: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The self-launched horovod strategy on 2 ranks with max_restarts=1 and one ``tests.faults.Fault``, in
+    ``tmp_path/runs``, its samples recorded in ``tmp_path/records``."""
+    args = fit_args(tmp_path / "runs", tmp_path / "records", "--trainer.strategy=horovod", "--trainer.devices=2")
     spec = {"class_path": "tests.faults.Fault", "init_args": fault}
     args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(spec)]
-    result = warm.run(
-        [sys.executable, *args], cwd=tmp_path, env=env(**MPI_ENV), capture_output=True, text=True, timeout=300
+    return warm.run(
+        [sys.executable, *args], cwd=tmp_path, env=env(**MPI_ENV), capture_output=True, text=True, timeout=timeout
     )
+
+
+def horovod_run_with_fault(tmp_path: Path, fault: dict) -> Path:
+    """:func:`horovod_fault_run`, which must end with exit 0. Returns its one run folder."""
+    result = horovod_fault_run(tmp_path, fault)
     assert result.returncode == 0, (result.stdout + result.stderr)[-5000:]
-    [run] = (root / "lightning_logs").glob("version_*")
+    [run] = (tmp_path / "runs" / "lightning_logs").glob("version_*")
     return run
 
 
@@ -557,12 +561,7 @@ def test_an_mpirun_that_outlives_its_ranks_is_ended_and_the_launch_restarted(tmp
     counts the launch as failed, and restarts on the survivor from its state."""
     fault = {"at": "step", "step": 3, "action": "hang_mpirun_then_kill", "rank": 1}
     root, records = tmp_path / "runs", tmp_path / "records"
-    args = fit_args(root, records, "--trainer.strategy=horovod", "--trainer.devices=2")
-    spec = {"class_path": "tests.faults.Fault", "init_args": fault}
-    args += ["--trainer.strategy.max_restarts=1", "--trainer.callbacks+=" + json.dumps(spec)]
-    result = warm.run(
-        [sys.executable, *args], cwd=tmp_path, env=env(**MPI_ENV), capture_output=True, text=True, timeout=240
-    )
+    result = horovod_fault_run(tmp_path, fault, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
     assert re.search(r"error: mpirun \(pid \d+\) outlived all its ranks by 30 s", output), output[-5000:]
