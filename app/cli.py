@@ -15,6 +15,7 @@ import importlib
 import os
 import re
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -279,6 +280,9 @@ def check_subcommand(argv: list[str], names: list[str]) -> None:
         raise UserError(f"unknown subcommand {argv[0]!r}{hint}: choose from {', '.join(names)}; see cli.py --help")
 
 
+QUIET_RANK_WAIT = 15.0  # seconds a worker that does not print a bad-input error waits before it exits 2
+
+
 def main(
     args: list[str] | None = None,
     model: str | type | None = None,
@@ -310,6 +314,11 @@ def main(
     except UserError as err:
         if first_on_node():
             print(f"error: {err}", file=sys.stderr)
+        elif torchrun_job() is not None or launcher_ranks() is not None:
+            # torchrun and mpirun end every worker once one fails: the first of the node (which says why) could be
+            # ended before it printed its line, when this one, quiet, failed first (seen under load: no line at all).
+            # Waiting here lets it fail first; the launcher then ends this one.
+            time.sleep(QUIET_RANK_WAIT)
         sys.exit(2)
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
