@@ -6,6 +6,7 @@ self-launch's ``TEMPLATE_MPI_RESTART`` 0) and in the process it names, so the re
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -46,19 +47,49 @@ class HangNodeAtStep(Callback):
 
 
 class PauseAtStep(Callback):
-    """On the launcher's first start, after ``step``, every rank writes ``paused-<rank>`` into ``folder`` and waits
-    (up to ``timeout`` s) for a file ``go`` there: the test does something to the nodes (cuts a link) at a known
-    step, however fast the steps are."""
+    """On the launcher's first start, each rank of ``ranks`` (all by default) writes ``paused-<rank>`` into ``folder``
+    and waits (up to ``timeout`` s) for a file ``go`` there; the others write ``passed-<rank>`` and go on. The test
+    does something to the nodes (cuts a link) at a known point, however fast the steps are. ``where``:
 
-    def __init__(self, step: int, folder: str, timeout: float = 120) -> None:
-        self.step, self.folder, self.timeout = step, Path(folder), timeout
+    - ``"step"``: after optimizer step ``step``, between two steps;
+    - ``"backward"``: before the backward pass of the batch after step ``step``: the ranks that go on are inside
+      that backward's gradient all-reduce, waiting for the paused ones;
+    - ``"save"``: inside the first checkpoint save after step ``step`` (its ``on_save_checkpoint``, after the
+      callbacks' states were gathered): the ranks that go on wait at the save's barrier.
+    """
+
+    def __init__(
+        self, step: int, folder: str, where: str = "step", ranks: list[int] | None = None, timeout: float = 120
+    ) -> None:
+        assert where in ("step", "backward", "save"), where
+        self.step, self.folder, self.where, self.ranks, self.timeout = step, Path(folder), where, ranks, timeout
+        self.done = False
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        if self.where == "step":
+            self._pause(trainer)
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self.where == "backward":
+            self._pause(trainer)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        # the save of the training loop, not a rank watchdog's save from its own thread
+        if self.where == "save" and threading.current_thread() is threading.main_thread():
+            self._pause(trainer, at_least=True)
+
+    def _pause(self, trainer, at_least: bool = False) -> None:
         first_start = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        if trainer.global_step != self.step or not first_start:
+        at = trainer.global_step >= self.step if at_least else trainer.global_step == self.step
+        if self.done or not at or not first_start:
             return
+        self.done = True
         self.folder.mkdir(parents=True, exist_ok=True)
-        (self.folder / f"paused-{trainer.global_rank}").touch()
+        rank = trainer.global_rank
+        if self.ranks is not None and rank not in self.ranks:
+            (self.folder / f"passed-{rank}").touch()
+            return
+        (self.folder / f"paused-{rank}").touch()
         deadline = time.monotonic() + self.timeout
         while not (self.folder / "go").exists() and time.monotonic() < deadline:
             time.sleep(0.05)

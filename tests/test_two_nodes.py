@@ -6,6 +6,7 @@ own, read from the doc, so that a change there is run here; only what two one-CP
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
@@ -391,6 +392,15 @@ def test_the_loopback_check_leaves_single_machine_and_named_interface_runs_alone
 ELASTIC_DOC = ROOT / "docs" / "elastic.md"
 CUT_SAMPLES, CUT_BATCH = 48, 4  # 6 steps an epoch on two nodes; the link is cut after step CUT_AT
 CUT_AT = 3
+# where the cut lands: tests.lose_node.PauseAtStep's arguments, the step the survivor saves and restarts from, and the
+# step at which the survivor, alone, waits for the rejoin
+CUTS = {
+    "between two steps": ({"where": "step"}, CUT_AT, 5),
+    # rank 0 waits before its backward; rank 1 is inside the gradient all-reduce of step 4, waiting for it
+    "inside the gradient all-reduce": ({"where": "backward", "ranks": [0]}, CUT_AT, 5),
+    # rank 0 waits inside the end of epoch 0's save (step 6); rank 1 is at the save's barrier
+    "inside the epoch's checkpoint save": ({"where": "save", "ranks": [0]}, CUT_SAMPLES // (2 * CUT_BATCH), 8),
+}
 
 
 def elastic_doc_command() -> tuple[dict, list[str]]:
@@ -424,13 +434,15 @@ def assert_each_sample_once_per_epoch(records: list[dict]) -> None:
 
 
 @pytest.mark.slow
-def test_a_link_cut_mid_epoch_costs_the_step_in_flight_and_the_cut_off_node_rejoins(nodes, tmp_path):
-    """docs/elastic.md's command on nodes ``a`` (the rendezvous host) and ``b``, at its default settings. After step
-    3 of the first epoch b's link is cut: nothing passes, no reset either, so each side's gloo collective waits for
-    good.
+@pytest.mark.parametrize("cut", CUTS)
+def test_a_link_cut_mid_epoch_costs_the_step_in_flight_and_the_cut_off_node_rejoins(cut, nodes, tmp_path):
+    """docs/elastic.md's command on nodes ``a`` (the rendezvous host) and ``b``, at its default settings. In the
+    first epoch b's link is cut (:data:`CUTS`: between two steps, while rank 1 is inside a gradient all-reduce, or
+    while rank 0 writes the epoch's checkpoint): nothing passes, no reset either, so each side's gloo collective
+    waits for good.
 
-    - a's rank watchdog judges b lost, a saves the state after step 3 from the watchdog's thread, and torchrun
-      restarts it at world size 1 within 60 s of the cut;
+    - a's rank watchdog judges b lost, a saves the state after the last whole step (3, or 6 at the save) from the
+      watchdog's thread, and torchrun restarts it at world size 1 within 60 s of the cut;
     - b judges itself cut off (rank 0's store and the rendezvous host both silent), says so, and stops with its
       torchrun agent, leaving the rendezvous open;
     - once the link is back, the same command on b joins the running job, which ends at world size 2 at the step of
@@ -447,9 +459,10 @@ def test_a_link_cut_mid_epoch_costs_the_step_in_flight_and_the_cut_off_node_rejo
     words = replace(words, recipe, "tests/tiny.yaml")
     words = replace(words, "--trainer.default_root_dir=/shared/runs", f"--trainer.default_root_dir={root}")
     record = {"class_path": "tests.record_samples.RecordSamples", "init_args": {"folder": str(records)}}
-    pause = {"class_path": "tests.lose_node.PauseAtStep", "init_args": {"step": CUT_AT, "folder": str(marks)}}
-    # alone after the cut, a waits at step 5 for the rejoin (torchrun's SIGTERM), so the job is still running then
-    wait = {"class_path": "tests.lose_node.WaitForNodeAtStep", "init_args": {"step": 5, "world_size": 1}}
+    where, saved_at, wait_at = CUTS[cut]
+    pause = {"class_path": "tests.lose_node.PauseAtStep", "init_args": {"step": CUT_AT, "folder": str(marks), **where}}
+    # alone after the cut, a waits for the rejoin (torchrun's SIGTERM) two steps on, so the job is still running then
+    wait = {"class_path": "tests.lose_node.WaitForNodeAtStep", "init_args": {"step": wait_at, "world_size": 1}}
     words += [
         *(f"--data.train_size={CUT_SAMPLES}", f"--data.batch_size={CUT_BATCH}", "--trainer.limit_train_batches=null"),
         *(f"--trainer.max_epochs={EPOCHS}", "--trainer.accelerator=cpu"),
@@ -465,11 +478,14 @@ def test_a_link_cut_mid_epoch_costs_the_step_in_flight_and_the_cut_off_node_rejo
     env = node_env(**doc_env)
     processes = {node.name: node.popen(words, log=logs[node.name], env=env, cwd=ROOT) for node in nodes.nodes}
     deadline = time.monotonic() + 180
-    while len(list(marks.glob("paused-*"))) < 2 and time.monotonic() < deadline:
+    while len(list(marks.glob("p*-*"))) < 2 and time.monotonic() < deadline:  # paused-<rank> or passed-<rank>
         if any(p.poll() is not None for p in processes.values()):
             break
         time.sleep(0.1)
-    assert len(list(marks.glob("paused-*"))) == 2, tails()
+    assert len(list(marks.glob("p*-*"))) == 2, tails()
+    assert (marks / "paused-0").exists(), tails()
+    if (marks / "passed-1").exists():
+        time.sleep(1)  # rank 1 went on into the collective that waits for rank 0 (milliseconds away)
     nodes.cut()
     cut = time.time()
     (marks / "go").touch()
@@ -487,15 +503,15 @@ def test_a_link_cut_mid_epoch_costs_the_step_in_flight_and_the_cut_off_node_rejo
     assert processes["b"].returncode != 0
     assert not nodes.b.pids(), tails()  # nothing left on b: no agent waiting to close the rendezvous later
 
-    # a, alone: restarted at world size 1 from the state after step 3, waiting at step 5
+    # a, alone: restarted at world size 1 from the state after the last whole step, waiting two steps on
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and processes["a"].poll() is None:
-        if any(r["world"] == 1 and r["step"] >= 4 for r in read_records(records)):  # the batches of step 5
+        if any(r["world"] == 1 and r["step"] >= wait_at - 1 for r in read_records(records)):  # the wait's batches
             break
         time.sleep(0.2)
     output = logs["a"].read_text()
     saved = re.search(r"\[rank \d\] Saved the state after step (\d+) to \S+last\.ckpt; the launcher restarts", output)
-    assert saved and int(saved.group(1)) == CUT_AT, tails()
+    assert saved and int(saved.group(1)) == saved_at, tails()
     assert "torchrun restart 1 of at most 3: 1 process(es) on 1 node(s), resuming from" in output, tails()
     first_alone = min(r["time"] for r in read_records(records) if r["world"] == 1)
 
@@ -511,6 +527,11 @@ def test_a_link_cut_mid_epoch_costs_the_step_in_flight_and_the_cut_off_node_rejo
     last_start = max(recorded, key=lambda r: r["time"])["start"]
     assert {r["world"] for r in recorded if r["start"] == last_start} == {2}  # it ended on both nodes again
     assert_each_sample_once_per_epoch(recorded)
+    # one metrics.csv, each step's row once and each epoch's validation once: nothing of the cut-off start twice
+    with (run / "metrics.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows if r["train/loss"]] == list(range(final["global_step"])), rows
+    assert len([r for r in rows if r["val/acc"]]) == EPOCHS, rows
     print(f"\ncut-off node stopped {stopped:.1f} s after the cut; first step alone {first_alone - cut:.1f} s after it")
     assert first_alone - cut < 60, tails()
 

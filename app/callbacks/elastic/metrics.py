@@ -19,19 +19,20 @@ from app.elastic import METRICS_BEFORE_RESTART
 METRICS_ROWS_TO_KEEP = "metrics.rows-to-keep"
 
 
-def keep_metrics_rows(trainer, rows: int) -> None:
-    """A survivor, failing: the restart puts only the first ``rows`` rows of metrics.csv back (survivors write the
-    same number)."""
-    for logger in trainer.loggers:
-        if isinstance(logger, CSVLogger):
-            path = Path(logger.log_dir) / METRICS_ROWS_TO_KEEP
-            write_text(path, f"{rows}\n")
+def keep_metrics_rows(folders: list[Path], rows: int) -> None:
+    """A survivor, failing: the restart puts only the first ``rows`` rows of the ``metrics.csv`` in each of
+    ``folders`` (rank 0's CSV run folders) back; survivors write the same number."""
+    for folder in folders:
+        write_text(Path(folder) / METRICS_ROWS_TO_KEEP, f"{rows}\n")
 
 
 class MetricsContinuation:
     def __init__(self) -> None:
         self.rows = 0  # metrics.csv's rows so far, known on every rank (a restarting launcher's run only)
         self.rows_before_validation: int | None = None  # None: no validation since the last step
+        # rank 0's CSV run folders, on every rank of a restartable job: a logger's own ``log_dir`` on another rank
+        # is a folder of its own picking (the next free version_N, on a node where rank 0 claimed none)
+        self.folders: list[Path] = []
 
     def count_rows(self, trainer) -> None:
         """Count metrics.csv's rows (one per ``log_metrics`` call; every rank makes the calls, rank 0's write)."""
@@ -54,14 +55,18 @@ class MetricsContinuation:
     def keep_rows_before_validation(self, trainer) -> None:
         """A survivor's save: a validation ran (or runs) since the step, and the restart does it again: not its rows."""
         if self.rows_before_validation is not None:
-            keep_metrics_rows(trainer, self.rows_before_validation)
+            keep_metrics_rows(self.folders, self.rows_before_validation)
 
     def train_start(self, trainer, restored: dict | None, restartable: bool) -> None:
-        restored_rows = self._continue_metrics(trainer, restored) if trainer.is_global_zero else 0
+        restored_rows, folders = 0, []
+        if trainer.is_global_zero:
+            restored_rows = self._continue_metrics(trainer, restored)
+            folders = [logger.log_dir for logger in trainer.loggers if isinstance(logger, CSVLogger)]
         if restartable and trainer.world_size > 1:  # rank 0 put them back (counted there): the others count them
-            restored_rows = trainer.strategy.broadcast(restored_rows, src=0)
+            restored_rows, folders = trainer.strategy.broadcast((restored_rows, folders), src=0)
             if not trainer.is_global_zero:
                 self.rows += restored_rows
+        self.folders = [Path(folder) for folder in folders]
 
     def _continue_metrics(self, trainer, restored: dict | None) -> int:
         """Rank 0: the earlier rows back in front of the new ones; returns how many rows were put back."""
