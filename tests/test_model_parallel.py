@@ -116,6 +116,29 @@ def test_a_ddp_checkpoint_resumes_under_model_parallelism_exactly(fsdp_unbroken,
 
 
 @pytest.mark.slow
+def test_a_new_lr_on_resume_under_model_parallelism_trains_what_ddp_trains_at_it(tmp_path):
+    """One epoch under ddp at lr 0.05 with a StepLR (halving every 4 steps), the second resumed at ``--model.lr=0.1``
+    under ddp, fsdp and pipeline: each ends at the ddp resume's weights, with the scheduler's base lr the new one
+    and the optimizer's lr the new one times the schedule's factor (four halvings: 0.1 / 16). A stale base_lrs, or
+    an optimizer state that a strategy's own loading put back over the change, trains at another lr."""
+    root, schedule = tmp_path / "runs", "--model.lr_step=4"
+    fit(root, tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2", "--trainer.max_epochs=1", schedule)
+    ckpt = f"--ckpt_path={root / 'lightning_logs' / 'version_0' / 'checkpoints' / 'last.ckpt'}"
+    resumed = {}
+    for version, strategy in enumerate(("ddp", "fsdp", "pipeline"), start=1):
+        output = fit(root, tmp_path, f"--trainer.strategy={strategy}", "--trainer.devices=2", ckpt, schedule,
+                     "--model.lr=0.1")  # fmt: skip
+        assert "Resumed with the settings given over the restored state: lr 0.0125 -> 0.025\n" in output, output[-3000:]
+        resumed[strategy] = last(root, version)
+    for strategy, checkpoint in resumed.items():
+        assert checkpoint["global_step"] == 16
+        [scheduler] = checkpoint["lr_schedulers"]
+        assert scheduler["base_lrs"] == [0.1], (strategy, scheduler)
+        assert checkpoint["optimizer_states"][0]["param_groups"][0]["lr"] == pytest.approx(0.1 / 16), strategy
+        assert relative_error(checkpoint, resumed["ddp"]) < TOLERANCE, strategy
+
+
+@pytest.mark.slow
 def test_a_pipeline_run_stopped_mid_epoch_resumes_exactly_under_ddp(fsdp_unbroken, tmp_path):
     """2 stages sharing batches of 2 x 4 (the global batch of the fsdp run), SIGTERM after step 3: the checkpoint holds
     both stages' layers and their optimizer state, plain tensors; ddp on 2 processes resumes it to the unbroken

@@ -69,7 +69,13 @@ def _scaled_lr(restored: float, old: float, new: float) -> float:
     """A new base lr over a restored lr that a schedule may have moved: the schedule's factor is kept."""
     if restored == old or not old:
         return new
-    return restored * new / old
+    return restored * (new / old)  # (0.0125 * (0.1 / 0.05) is 0.025; 0.0125 * 0.1 / 0.05 is 0.025000000000000005)
+
+
+def _shown(value) -> str:
+    """A setting as a person reads it: a float to 6 significant digits (the lr a schedule moved: 0.00625, not
+    0.006250000000000001)."""
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def apply_changes(checkpoint: dict, now: dict, then: dict, ckpt_path: str) -> list[str]:
@@ -95,7 +101,7 @@ def apply_changes(checkpoint: dict, now: dict, then: dict, ckpt_path: str) -> li
                 group[key] = _scaled_lr(before, old_group[key], value) if key == "lr" and key in old_group else value
                 if key != "initial_lr":
                     where = f" (group {number})" if len(groups) > 1 else ""
-                    changes.append(f"{key}{where} {before} -> {group[key]}")
+                    changes.append(f"{key}{where} {_shown(before)} -> {_shown(group[key])}")
     restored_schedulers = checkpoint.get("lr_schedulers", [])
     for built, old, state in zip(now["schedulers"], then.get("schedulers", []), restored_schedulers, strict=False):
         if built["class"] != old["class"]:
@@ -106,7 +112,7 @@ def apply_changes(checkpoint: dict, now: dict, then: dict, ckpt_path: str) -> li
             before = state.get(key)
             state[key] = value
             if key != "base_lrs":  # (an lr change, named with the optimizer's)
-                changes.append(f"{built['class']}.{key} {before} -> {value}")
+                changes.append(f"{built['class']}.{key} {_shown(before)} -> {_shown(value)}")
     return changes
 
 
