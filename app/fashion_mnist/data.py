@@ -57,12 +57,15 @@ def keep_batch(batch):
     return batch
 
 
+DEFAULT_DATA_DIR = "data"
+
+
 class FashionMNISTDataModule(LightningDataModule):
     class_names = CLASSES  # what predictions.csv calls each class (app/task.py)
 
     def __init__(
         self,
-        data_dir: str = "data",
+        data_dir: str = DEFAULT_DATA_DIR,
         source: Source = "auto",
         batch_size: int = 256,
         val_size: int = 5000,
@@ -116,6 +119,7 @@ class FashionMNISTDataModule(LightningDataModule):
             raise UserError(f"--data.predict_invert={predict_invert!r} must be one of {', '.join(Invert.__args__)}")
         self.save_hyperparameters()
         self.data_dir = Path(data_dir)
+        self._check_data_dir()
         self.train_set = self.val_set = self.test_set = self.predict_set = None
         self.train_loader: ResumableLoader | None = None
         self._device_train_set: TensorImageDataset | None = None  # train_set on the device (on_device)
@@ -123,6 +127,19 @@ class FashionMNISTDataModule(LightningDataModule):
         self.predict_names: list[str] = []  # what each predicted sample is: a file name, or "test[i]"
 
     # ------------------------------------------------------------------ files (app.fashion_mnist.datafiles)
+    def _check_data_dir(self) -> None:
+        """A ``--data.data_dir`` named on the command line that does not exist, while the real files are read from
+        the system copy: one line, before anything runs (a mistyped path to one's own copy would train on another)."""
+        given = self.hparams.data_dir
+        if self.data_dir.exists() or self.data_dir == Path(DEFAULT_DATA_DIR) or self.hparams.source == "synthetic":
+            return  # (the default folder, absent on a fresh clone, is where the system copy is documented to win)
+        place = self.files.find_real()
+        if place is not None and place.system:
+            raise UserError(
+                f"--data.data_dir={given}: no such folder; the Fashion-MNIST files would be read from {place.folder} "
+                f"({place.what}) instead. Fix the path, or leave --data.data_dir out to train on the system copy"
+            )
+
     @property
     def files(self) -> FashionMNISTFiles:
         return FashionMNISTFiles(self.data_dir, self.hparams.source)

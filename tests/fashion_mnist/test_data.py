@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from app.errors import UserError
 from app.fashion_mnist import synthetic
 from app.fashion_mnist.augment import random_crop_flip
 from app.fashion_mnist.data import FashionMNISTDataModule, TensorImageDataset, keep_batch
@@ -567,3 +568,35 @@ def test_the_quickstart_reaches_test_accuracy_0_90_on_the_real_data(tmp_path, sy
     with open(logs / "version_1" / "metrics.csv", newline="") as f:
         (accuracy,) = [float(row["test/acc"]) for row in csv.DictReader(f) if row.get("test/acc")]
     assert accuracy >= 0.90
+
+
+def test_a_data_dir_that_does_not_exist_is_one_line_where_the_system_copy_would_be_read_instead(
+    tmp_path, monkeypatch, capsys
+):
+    """``--data.data_dir=my_dataa`` (a typo of one's own copy) trained on the system copy with exit 0, its data line
+    naming the system folder and nothing naming the missing one. Now: one line naming the flag, the folder that
+    would be read and the fix, exit 2, before Lightning's first line; nothing written."""
+    from tests.fashion_mnist.conftest import run_cli
+
+    system = _tiny_real(tmp_path / "system", monkeypatch)
+    monkeypatch.setenv("FASHION_MNIST_SYSTEM_DIR", str(system))
+    monkeypatch.chdir(tmp_path)
+    before = _listing(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        run_cli("fit", "--data.data_dir=my_dataa", "--data.source=fashion_mnist", "--trainer.max_steps=1")
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: --data.data_dir=my_dataa: no such folder; the Fashion-MNIST files would be read from {system} "
+        "($FASHION_MNIST_SYSTEM_DIR) instead. Fix the path, or leave --data.data_dir out to train on the system copy\n"
+    ), err
+    assert _listing(tmp_path) == before
+    with pytest.raises(UserError, match=r"^--data.data_dir=\S+my_dataa: no such folder"):
+        FashionMNISTDataModule(data_dir=str(tmp_path / "my_dataa"))  # source auto reads the system copy too
+    # left alone: the default folder (absent on a fresh clone), a folder that exists, the synthetic stand-in's
+    FashionMNISTDataModule()
+    FashionMNISTDataModule(data_dir=str(tmp_path / "my_dataa"), source="synthetic")
+    (tmp_path / "my_dataa").mkdir()
+    FashionMNISTDataModule(data_dir=str(tmp_path / "my_dataa"))
+    monkeypatch.setenv("FASHION_MNIST_SYSTEM_DIR", "")  # no system copy: a new folder is where a download goes
+    FashionMNISTDataModule(data_dir=str(tmp_path / "new"), source="fashion_mnist")
