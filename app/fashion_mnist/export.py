@@ -1,6 +1,6 @@
 """``python cli.py export``: a trained checkpoint as a file for inference, in the format ``--out``'s suffix names.
 
-    python cli.py export --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --out model.pt2
+    python cli.py export --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt  # -> version_0/model.pt2
     python cli.py export --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt --out model.pt
 
 ``model.pt2`` is a self-contained program (``torch.export``): it runs with torch alone, without this project,
@@ -57,6 +57,13 @@ FORMAT = "fashion-resnet-export/1"
 PROGRAM_FORMAT = "fashion-resnet-program/1"
 SUFFIXES = {".pt2": "a torch.export program, runs with torch alone", ".pt": "weights for build_resnet"}
 METADATA = "fashion_resnet.json"  # the pt2 file's extra file with the export's metadata
+
+
+def default_out(ckpt_path: str | Path) -> Path:
+    """``model.pt2`` in the run folder of ``ckpt_path`` (``version_0/checkpoints/last.ckpt``:
+    ``version_0/model.pt2``), beside the checkpoint elsewhere: not in the folder the command runs from."""
+    folder = Path(ckpt_path).parent
+    return (folder.parent if folder.name == "checkpoints" else folder) / "model.pt2"
 
 
 def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
@@ -182,11 +189,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by `cli.py fit`")
     parser.add_argument(
         "--out",
-        required=True,
         help="the file to write: model.pt2 (a torch.export program that runs with torch alone) or model.pt "
-        "(weights that this project's build_resnet turns back into a network)",
+        "(weights that this project's build_resnet turns back into a network); default: model.pt2 in the "
+        "checkpoint's run folder",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     args = parser.parse_args(argv)
-    path = export(args.ckpt_path, args.out, args.overwrite)
+    path = export(args.ckpt_path, args.out or default_out(args.ckpt_path), args.overwrite)
     print(f"exported {args.ckpt_path} -> {path}", file=sys.stderr)

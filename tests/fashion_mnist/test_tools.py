@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -273,6 +274,25 @@ def test_an_exported_program_scores_the_test_set_as_its_checkpoint_with_torch_al
     assert result["metadata"]["classes"][0] == "T-shirt/top" and result["metadata"]["input"] == [1, 28, 28]
     if data == "real":
         assert checkpoint_accuracy > 0.5  # trained on it: far above chance (0.1)
+
+
+def test_export_without_out_writes_into_the_checkpoints_run_folder_and_a_clone_ignores_exports(
+    run_dir, tmp_path, monkeypatch, capsys
+):
+    """README's ``export --out model.pt2``, run in the clone, left an untracked model file in its root. Now ``--out``
+    defaults to ``model.pt2`` in the checkpoint's run folder, and the clone ignores exported models all the same."""
+    run = tmp_path / "lightning_logs" / "version_3"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(run_dir / "checkpoints" / "last.ckpt", run / "checkpoints" / "last.ckpt")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run_cli("export", "--ckpt_path", str(run / "checkpoints" / "last.ckpt"))
+    err = capsys.readouterr().err
+    assert err.strip().endswith(f"-> {run / 'model.pt2'}"), err
+    assert (run / "model.pt2").is_file() and list(elsewhere.iterdir()) == []
+    ignored = subprocess.run(["git", "check-ignore", "model.pt2", "model.pt"], cwd=ROOT, capture_output=True, text=True)
+    assert ignored.stdout.split() == ["model.pt2", "model.pt"], ignored
 
 
 def test_export_names_the_formats_when_the_suffix_is_none_of_them(run_dir, tmp_path, capsys):
