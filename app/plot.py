@@ -172,6 +172,29 @@ def data_source(run_dir: Path) -> str | None:
     return loaded.get("resolved_source") if isinstance(loaded, dict) else None
 
 
+def _refuse_a_test_run(run_dir: Path) -> None:
+    """A folder of ``cli.py test`` (its metrics.csv holds only ``test/*`` values) has no curve to draw: one line naming
+    the training run whose plot shows its score (before: two dots on an epoch axis around 0, exit 0)."""
+    rows = _read_rows(run_dir / "metrics.csv")
+    names = {name for row in rows for name, value in row.items() if value and name not in ("epoch", "step")}
+    if not names or not all(name.startswith("test/") for name in names):
+        return
+    import yaml
+
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        config = {}
+    ckpt = config.get("ckpt_path") if isinstance(config, dict) else None
+    if isinstance(ckpt, str) and Path(ckpt).parent.name == "checkpoints":
+        owner = Path(ckpt).parent.parent
+        raise UserError(
+            f"{run_dir} holds a `cli.py test` of {ckpt}, not a training run: plot the run that trained it, "
+            f"`cli.py plot {owner}` (its figure marks this score)"
+        )
+    raise UserError(f"{run_dir} holds a `cli.py test` run, not a training run: plot the run folder of a `fit`")
+
+
 def figure(run_dir: str | Path):
     """The run's figure (a matplotlib ``Figure``): loss, accuracy and images/s panels, titled with its data."""
     run_dir = Path(run_dir)
@@ -187,6 +210,7 @@ def figure(run_dir: str | Path):
     except ImportError:
         project = Path(__file__).resolve().parents[1]
         raise UserError(f'plot needs matplotlib: {sys.executable} -m pip install -e "{project}[plot]"') from None
+    _refuse_a_test_run(run_dir)
     series = epoch_metrics(run_dir)
     layout = panels(series)
     if not layout:

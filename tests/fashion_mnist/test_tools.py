@@ -81,8 +81,9 @@ def test_plot_reads_as_a_person_expects(run_dir):
     assert acc_ax.get_xlabel() == "epoch"
 
 
-def test_plot_draws_the_test_score_of_a_checkpoint_of_the_run(run_dir, data_dir, tmp_path):
-    """A ``cli.py test`` of the run's checkpoint is a dashed line at its score on the panel of that metric."""
+def test_plot_draws_the_test_score_of_a_checkpoint_of_the_run(run_dir, data_dir, tmp_path, capsys):
+    """A ``cli.py test`` of the run's checkpoint is a dashed line at its score on the panel of that metric; the test
+    run's own folder has no curve: ``plot`` of it is one line naming the run to plot (it drew two dots, exit 0)."""
     import shutil
 
     from app.plot import figure
@@ -99,6 +100,12 @@ def test_plot_draws_the_test_score_of_a_checkpoint_of_the_run(run_dir, data_dir,
         (line,) = [line for line in ax.lines if line.get_label().startswith(metric)]
         assert line.get_linestyle() == "--" and set(line.get_ydata()) == {float(row[metric])}
         assert line.get_label() == f"{metric} {float(row[metric]):.4f} (version_1: last.ckpt)"
+    code, err = exit_code_and_stderr(capsys, "plot", str(tmp_path / "lightning_logs" / "version_1"))
+    assert code == 2 and err == (
+        f"error: {tmp_path / 'lightning_logs' / 'version_1'} holds a `cli.py test` of {ckpt}, not a training run: "
+        f"plot the run that trained it, `cli.py plot {run}` (its figure marks this score)\n"
+    ), err
+    assert not (tmp_path / "lightning_logs" / "version_1" / "plot.png").exists()
 
 
 def test_tensorboard_opens_on_the_accuracy_and_the_loss(run_dir):
