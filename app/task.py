@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import importlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -53,8 +54,9 @@ class TaskSpec:
     """The network that ``--trainer.strategy=pipeline`` cuts into stages, by its path (``"net"``); its forward must
     run its layers one after another: an ``nn.Sequential``, or a module whose ``pipeline_layers()`` returns them in
     order (the example's ResNet has one). Default: the only top-level submodule that holds parameters."""
-    lr_flag: str = "--model.optimizer.lr"
-    """The flag that sets the learning rate, named in hints (divergence, warmup)."""
+    lr_flag: str | None = None
+    """The flag that sets the learning rate, named in hints (a diverged run's line). Default: found from the
+    module's ``__init__`` arguments (:func:`lr_flag_of`); a hint names no flag when none is found."""
     samples: Callable[[Any], int] | None = None
     """How many samples a batch holds (the run report's samples/s); default: :func:`count_samples`."""
 
@@ -89,6 +91,24 @@ def spec_of(module: Any) -> TaskSpec:
         name = module.__name__ if isinstance(module, type) else type(module).__name__
         raise TypeError(f"{name}.spec must be an app.task.TaskSpec, not {type(spec).__name__}")
     return spec or DEFAULT_SPEC
+
+
+def lr_flag_of(module: Any) -> str | None:
+    """The flag that sets the module's learning rate: its spec's ``lr_flag``; else ``--model.lr`` (or
+    ``--model.learning_rate``) when its ``__init__`` takes that argument, ``--model.optimizer.lr`` when it takes an
+    ``optimizer`` (LightningCLI's optimizer callable); else None (not knowable: no flag is better than a wrong one)."""
+    declared = spec_of(module).lr_flag
+    if declared is not None:
+        return declared
+    cls = module if isinstance(module, type) else type(module)
+    try:
+        arguments = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):
+        return None
+    for name in ("lr", "learning_rate"):
+        if name in arguments:
+            return f"--model.{name}"
+    return "--model.optimizer.lr" if "optimizer" in arguments else None
 
 
 def count_samples(batch: Any) -> int:

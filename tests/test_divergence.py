@@ -101,6 +101,36 @@ def test_the_line_names_the_step_whose_loss_was_not_finite_between_two_reads(tmp
         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", default_root_dir=tmp_path,
     )  # fmt: skip
     data = DataLoader(TensorDataset(torch.ones(12, 2)), batch_size=1)
-    with pytest.raises(Diverged, match=r"the training loss became inf at step 5 \(epoch 0\)"):
+    with pytest.raises(Diverged, match=r"the training loss became inf at step 5 \(epoch 0\)") as diverged:
         trainer.fit(Task(), data)
     assert trainer.global_step == 12  # read at the epoch's end, after step 5 was long done
+    # a task with no lr argument and no declared flag: the hint names no flag (it named --model.optimizer.lr)
+    assert "Lower the learning rate (now 0), or warm it up" in str(diverged.value), diverged.value
+
+
+def test_the_flag_a_hint_names_is_the_one_that_sets_the_tasks_lr():
+    """A fork whose optimizer reads ``--model.lr`` was told "Lower the learning rate (now 0.5: --model.optimizer.lr)".
+    The flag is now the task's declared one, else the argument its ``__init__`` takes, else none."""
+    from lightning.pytorch import LightningModule
+
+    from app.task import TaskSpec, lr_flag_of
+
+    class WithLr(LightningModule):
+        def __init__(self, hidden: int = 8, lr: float = 0.5) -> None:
+            super().__init__()
+
+    class WithLearningRate(LightningModule):
+        def __init__(self, learning_rate: float = 0.5) -> None:
+            super().__init__()
+
+    class WithOptimizer(LightningModule):
+        def __init__(self, optimizer=None) -> None:
+            super().__init__()
+
+    class Declared(WithLr):
+        spec = TaskSpec(lr_flag="--model.schedule.peak_lr")
+
+    assert lr_flag_of(WithLr()) == "--model.lr" and lr_flag_of(WithLearningRate) == "--model.learning_rate"
+    assert lr_flag_of(WithOptimizer()) == "--model.optimizer.lr"
+    assert lr_flag_of(Declared()) == "--model.schedule.peak_lr"
+    assert lr_flag_of(LightningModule()) is None

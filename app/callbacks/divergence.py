@@ -30,7 +30,7 @@ from app.callbacks.preemption import wait_for_local_ranks
 from app.errors import Diverged
 from app.lightning_internals import take_over_local_ranks
 from app.strategies.parallelism import parallelism
-from app.task import spec_of
+from app.task import lr_flag_of
 
 LOSS = "the training loss"  # what training_step returned, whatever the task logs it as
 
@@ -115,10 +115,11 @@ class StopOnNonFinite(Callback):
         """``step``: the optimizer step whose loss was not finite on this rank (None: another rank's, or weights)."""
         lrs = sorted({group["lr"] for opt in trainer.optimizers for group in opt.param_groups})
         lr = ", ".join(f"{x:g}" for x in lrs) or "?"
+        flag = lr_flag_of(trainer.lightning_module)
         when = f"became {value} at step {step}" if step is not None else f"by step {trainer.global_step}"
         return (
             f"training diverged: {what} {when} (epoch {trainer.current_epoch}); "
             "the run stops without writing these weights (checkpoints already on disk hold finite ones). "
-            f"Lower the learning rate (now {lr}: {spec_of(trainer.lightning_module).lr_flag}), or warm it up "
+            f"Lower the learning rate (now {lr}{f': {flag}' if flag else ''}), or warm it up "
             "(--trainer.callbacks+=app.callbacks.LRWarmup)"
         )
