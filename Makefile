@@ -1,5 +1,5 @@
 # Two commands do everything on a fresh machine with Python >= 3.10:
-#   make train   creates .venv, installs the project, trains with $(CONFIG)
+#   make train   creates .venv, installs the project, trains with $(CONFIG) and tests the run's last checkpoint
 #   make test    creates .venv, installs the project with its dev extras, runs the whole suite
 #   make test-fast   the inner loop: the suite without the tests marked slow (multi-process or multi-epoch runs)
 PYTHON ?= python3
@@ -24,8 +24,13 @@ $(VENV)/.installed-dev: $(BIN)/python setup.cfg pyproject.toml
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	touch $@ $(VENV)/.installed
 
+# fit, then the test set on the run's last checkpoint (the figure the README quotes); TEST=0 leaves the test out
+TEST ?= 1
 train: $(VENV)/.installed
 	$(BIN)/python cli.py fit --config $(CONFIG) $(ARGS)
+ifneq ($(TEST),0)
+	$(BIN)/python cli.py test --config $(CONFIG) $(ARGS) --ckpt_path last
+endif
 
 # Independent tests run side by side in $(TEST_WORKERS) pytest-xdist workers; tests that share cached training
 # runs stay on one worker (tests/conftest.py). TEST_WORKERS=0 runs everything in one process.

@@ -124,6 +124,24 @@ def test_runs_land_under_default_root_dir_and_resume_from_there(tmp_path):
     assert "--ckpt_path best: " in best.stderr + best.stdout and "epoch=" in best.stderr + best.stdout
 
 
+def test_make_train_trains_and_then_shows_the_test_accuracy_of_the_run(tmp_path):
+    """README's first command ended at the last epoch's val acc while its comment quoted a test accuracy. ``make
+    train`` now tests the run's last checkpoint after the fit (``TEST=0``: fit only), with the user's ARGS on both."""
+    root = tmp_path / "root"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = f"ARGS=--trainer.default_root_dir={root} --trainer.max_epochs=1"
+    done = subprocess.run(["make", "-s", "train", f"CONFIG={TINY_CONFIG}", args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    assert f"--ckpt_path last: {root}/lightning_logs/version_0/checkpoints/last.ckpt" in output, output[-3000:]
+    assert re.search(r"test/acc\s*│\s*[\d.]+", output), output[-3000:]  # Lightning's results table
+    assert sorted(p.name for p in (root / "lightning_logs").iterdir()) == ["version_0", "version_1"]
+    fit_only = subprocess.run(["make", "-n", "train", "TEST=0"], cwd=ROOT, capture_output=True, text=True)
+    runs = [line.split()[1:3] for line in fit_only.stdout.splitlines() if " cli.py " in line]
+    assert runs == [["cli.py", "fit"]], fit_only.stdout
+
+
 @pytest.mark.parametrize(
     "switch, expect",
     [
