@@ -6,6 +6,7 @@ at batch b and one device at batch N*b compute the same gradients; the only diff
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -193,6 +194,9 @@ def test_unknown_strategy_lists_the_names_this_install_can_run_ours_first(given,
     assert f"error: --trainer.strategy={given!r}" in err and said in err
     ours, lightnings = err.split("Available: ")[1].split(" (docs/strategies.md)")[0].split("; and Lightning's ")
     assert ours.split(", ") == ["auto", "dp", "ddp", "ddp_spawn", "fsdp", "pipeline", "horovod"]
+    # the package's one-line description names each of them (it had left fsdp and pipeline out)
+    description = re.search(r"^description = (.*)$", (ROOT / "setup.cfg").read_text(), re.M)[1]
+    assert [name for name in ours.split(", ")[1:] if not re.search(rf"\b{name}\b", description)] == [], description
     others = lightnings.split(", ")
     assert {"ddp_fork", "single_device"} <= set(others) and "deepspeed" in StrategyRegistry.available_strategies()
     # Lightning registers these whether or not their package is installed; without it a run fails at once
