@@ -7,6 +7,7 @@ import difflib
 import importlib
 import importlib.util
 import inspect
+import os
 import re
 from pathlib import Path
 
@@ -86,6 +87,30 @@ def check_trainer_numbers(trainer_config) -> None:
         raise UserError(
             f"--trainer.accumulate_grad_batches={accumulate}: use a whole number >= 1 (the batches per optimizer step)"
         )
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or taskset's limit, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_oversubscription(trainer: Trainer, cores: int | None = None) -> str | None:
+    """The cost, in one line, of more CPU devices on this node than it has cores (None when there are not)."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    cores = cores or usable_cores()
+    devices = trainer.num_devices
+    if not isinstance(trainer.accelerator, CPUAccelerator) or devices <= cores:
+        return None
+    one_process = getattr(trainer.strategy, "strategy_name", None) == "dp"  # its replicas are threads
+    what = "threads of one process" if one_process else "processes"
+    return (
+        f"--trainer.devices={devices}: {devices} CPU devices on {cores} cores; the {what} take turns on the cores, "
+        f"so this run is slower than with --trainer.devices={cores} or fewer (docs/strategies.md, devices on a CPU)"
+    )
 
 
 def check_devices(devices) -> None:

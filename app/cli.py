@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 import app  # noqa: F401  (registers the dp and horovod strategies)
@@ -40,6 +41,7 @@ from app.checks import (
     check_devices,
     check_strategy_name,
     check_trainer_numbers,
+    cpu_oversubscription,
     init_parameters,
     task_classes,
     trainer_setting_error,
@@ -49,7 +51,7 @@ from app.elastic import (
     continue_run_folder,
     take_launcher_numbers,
 )
-from app.errors import UserError
+from app.errors import TemplateWarning, UserError
 from app.host_address import check_reachable
 from app.launcher import first_on_node, is_first_process, launcher_ranks, one_gpu_per_rank, torchrun_job
 from app.quiet import HeldRecords
@@ -242,6 +244,8 @@ class CLI(CkptPathRule, LightningCLI):
             if isinstance(err, MisconfigurationException | ValueError):
                 raise trainer_setting_error(err, config.trainer) or UserError(reason) from None
             raise
+        if (oversubscribed := cpu_oversubscription(trainer)) is not None:
+            rank_zero_warn(oversubscribed, category=TemplateWarning)
         # Atomic checkpoint writes and weights_only loads, whatever the strategy.
         trainer.strategy.checkpoint_io = SafeCheckpointIO(allow_remote=bool(config.get("allow_remote_ckpt")))
         for watchdog in trainer.callbacks:

@@ -277,3 +277,27 @@ def test_only_the_subcommand_asked_for_gets_a_parser(argv, built, monkeypatch, c
     assert exit_info.value.code in (0, None)
     assert seen == built
     assert "fit" in capsys.readouterr().out
+
+
+def test_more_cpu_devices_than_cores_run_with_one_line_that_says_the_cost(workdir):
+    """``--trainer.devices=3 --trainer.strategy=ddp`` on a 2-core CPU ran oversubscribed without a word, while the
+    docs said more devices than the machine has were refused. On a CPU a device is a process (a thread under dp),
+    so it runs, with one ``warning:`` line; as many devices as cores say nothing."""
+    import warnings
+
+    from app.checks import usable_cores
+    from app.errors import TemplateWarning
+
+    cores = usable_cores()
+    short = ("--config", str(TINY_CONFIG), "--trainer.strategy=dp", "--trainer.max_steps=1")
+    short += ("--trainer.limit_val_batches=0", "--trainer.logger=false", "--trainer.enable_checkpointing=false")
+    expected = (
+        f"--trainer.devices={cores + 1}: {cores + 1} CPU devices on {cores} cores; the threads of one process take "
+        f"turns on the cores, so this run is slower than with --trainer.devices={cores} or fewer "
+        "(docs/strategies.md, devices on a CPU)"
+    )
+    for devices, said in ((cores + 1, [expected]), (cores, [])):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run_cli("fit", *short, f"--trainer.devices={devices}")
+        assert [str(w.message) for w in caught if issubclass(w.category, TemplateWarning)] == said, devices

@@ -1,5 +1,7 @@
 """app/launcher.py reads every launcher's variables (one place), and the self-launch's mpirun leaves ranks unbound."""
 
+import os
+
 import pytest
 import torch
 from jsonargparse import Namespace
@@ -56,10 +58,17 @@ def test_no_launcher(clean_env):
     assert launcher_ranks() is None and slurm_tasks_per_node() is None and first_on_node()
 
 
-def test_self_launched_ranks_are_not_bound_to_one_core():
-    """Open MPI binds each rank to one core for small -np; a GPU rank's data path needs more (Horovod's guidance)."""
+def test_self_launched_ranks_are_not_bound_to_one_core_and_split_torchs_threads(monkeypatch):
+    """Open MPI binds each rank to one core for small -np; a GPU rank's data path needs more (Horovod's guidance).
+    Each rank gets the node's cores divided by its ranks as torch threads, as Lightning's ddp launchers give them
+    (every rank took every core), unless the user set OMP_NUM_THREADS."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
     cmd = " ".join(mpirun_command(2))
     assert "--bind-to none" in cmd and "--map-by slot" in cmd
+    assert "-x OMP_NUM_THREADS=4" in cmd and "-x OMP_NUM_THREADS=1" in " ".join(mpirun_command(16))
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "-x OMP_NUM_THREADS=3" in " ".join(mpirun_command(2))
 
 
 def test_the_reaper_ends_the_ranks_and_removes_the_launch_folder_once_the_launcher_is_gone(tmp_path):

@@ -168,7 +168,10 @@ def mpirun_command(num_processes: int) -> list[str]:
         cmd.append("--allow-run-as-root")
     if num_processes > (os.cpu_count() or 1):
         cmd.append("--oversubscribe")
-    return cmd + ["-x", "PYTHONPATH"]
+    # torch's threads split between the node's ranks as Lightning's ddp launchers split them (each rank took every
+    # core: 2 ranks x 2 threads on 2 cores); an OMP_NUM_THREADS of the user's is kept
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // num_processes))
+    return cmd + ["-x", "PYTHONPATH", "-x", f"OMP_NUM_THREADS={threads}"]
 
 
 class MPIRunLauncher(ResultsLauncher):
