@@ -3,7 +3,8 @@
 One row per sample, in dataset order, from every rank: ``index, name, label, pred, ...``. ``name`` is the data
 module's ``predict_names[index]`` when it has them (the example task: the image's file name or ``test[i]``), else
 the index; ``label`` is the batch's target when it carries one (the second element of a ``(x, y)`` batch, or a dict
-batch's ``label``/``target``/``y``), else -1. What follows comes from ``predict_step``:
+batch's ``label``/``target``/``y``), else empty. Up to ``show`` predictions (a handful of one's own images) are
+also printed as a table. What follows comes from ``predict_step``:
 
 - a tensor: ``pred``, one value per sample (a vector per sample is written as values joined by spaces);
 - a dict of tensors: ``pred`` from ``preds`` (or the first entry), ``prob`` as the largest of ``probs`` when given,
@@ -28,19 +29,22 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from app.atomic import atomic_write
+from app.callbacks.progress import console_print
 from app.task import class_names
 
 LABEL_KEYS = ("label", "labels", "target", "targets", "y")
 
 
 class PredictionWriter(BasePredictionWriter):
-    def __init__(self, filename: str = "predictions.csv") -> None:
+    def __init__(self, filename: str = "predictions.csv", show: int = 20) -> None:
         """
         Args:
             filename: File name inside the run's folder (``lightning_logs/version_N/``).
+            show: Also print the predictions as a table on the terminal when there are at most this many (a
+                handful of one's own images); 0: never.
         """
         super().__init__(write_interval="batch")
-        self.filename = filename
+        self.filename, self.show = filename, show
         self._rows: list[tuple[int, Any, dict[str, Any]]] = []
 
     @override
@@ -52,7 +56,7 @@ class PredictionWriter(BasePredictionWriter):
         columns = prediction_columns(prediction)
         labels = batch_labels(batch)
         if labels is None or len(labels) != len(batch_indices):
-            labels = [-1] * len(batch_indices)
+            labels = [None] * len(batch_indices)  # an empty cell: the sample has no label
         for i, index in enumerate(batch_indices):
             self._rows.append((int(index), labels[i], {name: values[i] for name, values in columns.items()}))
 
@@ -75,19 +79,39 @@ class PredictionWriter(BasePredictionWriter):
         folder = Path(log_dir or ".")
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / self.filename
+        header = ["index", "name", "label", "pred"] + ["class"] * with_class + ["prob"] * with_prob + extra
+        table = []
+        for index, label, values in rows:
+            name = names[index] if index < len(names) else str(index)
+            pred = values.get("pred")
+            row = [index, name, _cell(label), _cell(pred)]
+            if with_class:
+                row.append(classes[pred] if 0 <= pred < len(classes) else str(pred))
+            if with_prob:
+                row.append(f"{values['prob']:.4f}" if "prob" in values else "")
+            table.append(row + [_cell(values.get(name, "")) for name in extra])
         with atomic_write(path, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["index", "name", "label", "pred"] + ["class"] * with_class + ["prob"] * with_prob + extra)
-            for index, label, values in rows:
-                name = names[index] if index < len(names) else str(index)
-                pred = values.get("pred")
-                row = [index, name, _cell(label), _cell(pred)]
-                if with_class:
-                    row.append(classes[pred] if 0 <= pred < len(classes) else str(pred))
-                if with_prob:
-                    row.append(f"{values['prob']:.4f}" if "prob" in values else "")
-                writer.writerow(row + [_cell(values.get(name, "")) for name in extra])
+            writer.writerow(header)
+            writer.writerows(table)
+        if 0 < len(table) <= self.show:
+            console_print(trainer, predictions_table(header, table))
         rank_zero_info(f"Predictions for {len(rows)} samples written to {path}")
+
+
+def predictions_table(header: list[str], rows: list[list]):
+    """predictions.csv's rows as a rich table, without the columns that say nothing here (the index; an empty
+    label column)."""
+    from rich.table import Table
+
+    shown = [i for i, name in enumerate(header) if name != "index" and any(row[i] not in ("", None) for row in rows)]
+    table = Table(title=f"Predictions ({len(rows)})")
+    for i in shown:
+        left = header[i] in ("name", "class")
+        table.add_column(header[i], justify="left" if left else "right", overflow="fold" if left else "ellipsis")
+    for row in rows:
+        table.add_row(*(str(row[i]) for i in shown))
+    return table
 
 
 def prediction_columns(prediction: Any) -> dict[str, list]:
@@ -129,6 +153,8 @@ def _per_sample(values: torch.Tensor) -> list:
 
 
 def _cell(value: Any) -> Any:
+    if value is None:
+        return ""
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, list):

@@ -35,21 +35,22 @@ MEAN, STD = 0.2860, 0.3530  # Fashion-MNIST training-set pixel statistics, on th
 class TensorImageDataset(Dataset):
     """Images and labels held as tensors; ``__getitems__`` serves a whole batch with one indexing op."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor) -> None:
-        self.images, self.labels = images, labels
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor | None) -> None:
+        self.images, self.labels = images, labels  # labels None: a user's own images, which have none
 
     def __len__(self) -> int:
-        return len(self.labels)
+        return len(self.images)
 
-    def __getitem__(self, index: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.images[index], self.labels[index]  # a tensor of indices: a batch (app.loader.DeviceLoader)
+    def __getitem__(self, index: int | torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # a tensor of indices: a batch (app.loader.DeviceLoader); no label: a batch of images alone, ``(images,)``
+        return (self.images[index],) if self.labels is None else (self.images[index], self.labels[index])
 
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        index = torch.as_tensor(indices)
-        return self.images[index], self.labels[index]
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, ...]:
+        return self[torch.as_tensor(indices)]
 
     def to(self, device: torch.device) -> TensorImageDataset:
-        return TensorImageDataset(self.images.to(device), self.labels.to(device))
+        labels = None if self.labels is None else self.labels.to(device)
+        return TensorImageDataset(self.images.to(device), labels)
 
 
 def keep_batch(batch):
@@ -96,7 +97,8 @@ class FashionMNISTDataModule(LightningDataModule):
                 generator (as reproducible, through a resume too, but other crops than the host's). Needs
                 ``num_workers=0``.
             seed: Seed of the train/val split and of the shuffling order.
-            predict_dir: ``predict`` on the PNG/JPEG images of this folder instead of the test set. Each image is
+            predict_dir: ``predict`` on the PNG/JPEG images of this folder (or this one image, or the images this
+                glob matches, ``'shots/**/*.jpg'``) instead of the test set. Each image is
                 read as grayscale and resized to 28x28.
             predict_invert: Fashion-MNIST shows light clothes on a dark background. ``auto`` inverts an image
                 whose border is lighter than its centre (a photo on a white background); ``always``/``never``.
@@ -204,7 +206,7 @@ class FashionMNISTDataModule(LightningDataModule):
             self.val_set = TensorImageDataset(images[val_idx], labels[val_idx])
         if stage == "predict" and self.hparams.predict_dir:
             images, self.predict_names = load_image_folder(self.hparams.predict_dir, self.hparams.predict_invert)
-            self.predict_set = TensorImageDataset(images, torch.full((len(images),), -1))
+            self.predict_set = TensorImageDataset(images, None)  # no labels: predictions.csv leaves them empty
         else:
             if stage in ("test", "predict") and self.test_set is None:
                 self.test_set = TensorImageDataset(*self.load_split("test"))
@@ -337,7 +339,7 @@ class FashionMNISTDataModule(LightningDataModule):
     def on_after_batch_transfer(self, batch, dataloader_idx: int):
         if not isinstance(batch, (tuple, list)) or batch[0].dtype != torch.uint8:
             return batch  # not one of our batches (e.g. the model summary's example input)
-        images, labels = batch
+        images, *labels = batch  # no labels: a user's own images
         images = images.unsqueeze(1).float().div_(255)  # [B, 1, 28, 28] in [0, 1]
         if self.hparams.augment and self.trainer is not None and self.trainer.training:
             # Random numbers named by (seed, epoch, batch, rank): a resumed run crops exactly as an unbroken one.
@@ -345,4 +347,4 @@ class FashionMNISTDataModule(LightningDataModule):
             source = images.device if self.hparams.get("on_device") else "cpu"
             generator = torch.Generator(device=source).manual_seed(self.train_loader.batch_seed())
             images = random_crop_flip(images, padding=4, generator=generator)
-        return normalize(images, MEAN, STD), labels
+        return normalize(images, MEAN, STD), *labels

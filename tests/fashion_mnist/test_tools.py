@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -363,7 +364,7 @@ def test_predict_on_a_folder_of_png_images(run_dir, data_dir, workdir, recwarn):
     assert [by_name[f"item{i:02d}.png"] for i in range(12)] == expected
     assert by_name["item03_inverted.png"] == by_name["item03.png"]  # auto-inverted back to Fashion-MNIST polarity
     assert by_name["item05_16bit.png"] == by_name["item05.png"]
-    assert all(0 < float(r["prob"]) <= 1 and r["label"] == "-1" for r in rows)
+    assert all(0 < float(r["prob"]) <= 1 and r["label"] == "" for r in rows)  # no label: an empty cell
 
 
 @pytest.mark.slow
@@ -431,4 +432,44 @@ def test_predict_dir_that_does_not_exist_is_one_line(workdir, data_dir, capsys):
         "no/such/folder",
     )
     assert code == 2
-    assert "error: --data.predict_dir='no/such/folder' is not a folder" in err
+    assert "error: --data.predict_dir='no/such/folder' does not exist; give a folder of .png/.jpg images, one " in err
+
+
+def test_predict_takes_one_image_or_a_glob_and_shows_a_handful_as_a_table(run_dir, data_dir, workdir, capsys):
+    """A single image file was refused ("is not a folder") and the predictions went only to predictions.csv, where
+    an image without a label said ``-1``. Now ``--data.predict_dir`` takes a folder, one image or a glob; a handful
+    of predictions is also a table on the terminal; an image's label cell is empty."""
+    images = torch.as_tensor(read_idx(data_dir / "FashionMNIST-synthetic" / "raw" / "t10k-images-idx3-ubyte")[:3])
+    shots = workdir / "shots"
+    (shots / "more").mkdir(parents=True)
+    for i, image in enumerate(images):
+        write_png(image[None], str((shots if i < 2 else shots / "more") / f"shot{i}.png"))
+    ckpt = run_dir / "checkpoints" / "last.ckpt"
+    args = ["predict", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir), "--ckpt_path", str(ckpt)]
+    with torch.no_grad():
+        expected = load_network(ckpt)(normalized(images)).argmax(1).tolist()
+    from app.fashion_mnist.data import CLASSES
+
+    for given, names in [
+        (str(shots / "shot1.png"), ["shot1.png"]),
+        (f"{shots}/**/*.png", ["more/shot2.png", "shot0.png", "shot1.png"]),  # from the pattern's first wildcard
+    ]:
+        capsys.readouterr()
+        run_cli(*args, "--data.predict_dir", given)
+        [version] = sorted((workdir / "lightning_logs").glob("version_*"), key=lambda v: int(v.name.split("_")[1]))[-1:]
+        rows = read_predictions(version)
+        assert [r["name"] for r in rows] == names and all(r["label"] == "" for r in rows), rows
+        out = capsys.readouterr().out
+        for r in rows:
+            index = int(r["name"].rpartition("shot")[2][0])
+            assert int(r["pred"]) == expected[index] and r["class"] == CLASSES[expected[index]]
+            shown = re.search(rf"{re.escape(r['name'])}\s*│\s*(\d+)\s*│\s*(.+?)\s*│\s*([\d.]+)", out)
+            assert shown and shown.groups() == (r["pred"], r["class"], r["prob"]), out
+        assert "label" not in out and "Predictions (" in out, out
+    for given, said in [
+        (str(shots / "notes.txt"), "is not a .png/.jpg/.jpeg image"),
+        (f"{shots}/*.gif", "matches no .png/.jpg/.jpeg file"),
+    ]:
+        (shots / "notes.txt").write_text("not an image")
+        code, err = exit_code_and_stderr(capsys, *args, "--data.predict_dir", given)
+        assert code == 2 and f"error: --data.predict_dir={given!r} {said}" in err, err
