@@ -23,7 +23,7 @@ from typing_extensions import override
 from app.errors import TemplateWarning, UserError
 from app.fashion_mnist.augment import normalize, random_crop_flip
 from app.fashion_mnist.datafiles import CLASSES, NAMES, SPLITS, FashionMNISTFiles, Source, download
-from app.fashion_mnist.image_folder import Invert, load_image_folder
+from app.fashion_mnist.image_folder import Invert, image_files, load_image_folder
 from app.loader import ResumableLoader, make_loader
 
 # CLASSES and SPLITS are defined in app.fashion_mnist.datafiles; app.fashion_mnist.export imports CLASSES from here.
@@ -122,6 +122,8 @@ class FashionMNISTDataModule(LightningDataModule):
         self.save_hyperparameters()
         self.data_dir = Path(data_dir)
         self._check_data_dir()
+        if predict_dir:
+            image_files(predict_dir)  # a bad --data.predict_dir is one line before anything runs, not after setup
         self.train_set = self.val_set = self.test_set = self.predict_set = None
         self.train_loader: ResumableLoader | None = None
         self._device_train_set: TensorImageDataset | None = None  # train_set on the device (on_device)

@@ -420,19 +420,15 @@ def test_a_file_in_predict_dir_that_is_no_image_is_one_line_naming_it(tmp_path):
     assert ".cpp" not in message and message.endswith("remove it from --data.predict_dir")
 
 
-def test_predict_dir_that_does_not_exist_is_one_line(workdir, data_dir, capsys):
-    code, err = exit_code_and_stderr(
-        capsys,
-        "predict",
-        "--config",
-        str(CPU_TEST_CONFIG),
-        "--data.data_dir",
-        str(data_dir),
-        "--data.predict_dir",
-        "no/such/folder",
-    )
+def test_predict_dir_that_does_not_exist_is_one_line_before_anything_runs(workdir, data_dir, capsys, caplog):
+    """The line came after Lightning's "GPU available", "TPU available" and "Seed set to 42" (the folder was read in
+    the data module's setup); now the data module checks it when it is made, before the trainer."""
+    args = ["predict", "--config", str(CPU_TEST_CONFIG), "--data.data_dir", str(data_dir)]
+    with caplog.at_level("INFO"):
+        code, err = exit_code_and_stderr(capsys, *args, "--data.predict_dir", "no/such/folder")
     assert code == 2
-    assert "error: --data.predict_dir='no/such/folder' does not exist; give a folder of .png/.jpg images, one " in err
+    assert err.startswith("error: --data.predict_dir='no/such/folder' does not exist; give a folder of .png/.jpg ")
+    assert len(err.splitlines()) == 1 and [r.getMessage() for r in caplog.records] == [], caplog.records
 
 
 def test_predict_takes_one_image_or_a_glob_and_shows_a_handful_as_a_table(run_dir, data_dir, workdir, capsys):
