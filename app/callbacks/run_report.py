@@ -14,8 +14,9 @@ GPU between CUDA events, read at the epoch's end, so nothing waits inside the ep
 itself (a graph that stopped replaying, a new synchronisation) shows there, while the seconds also count start-up,
 compilation and validation.
 
-The end of training prints a table with one row per device: optimizer steps, mean time per optimizer step,
-samples/s and peak memory (``torch.cuda.max_memory_allocated`` on GPUs, the process's peak resident memory on CPU).
+The end of training prints a table with one row per device: optimizer steps, the median time per optimizer step over
+the run (the epoch lines' ``ms/step``, over all of them), samples/s and peak memory
+(``torch.cuda.max_memory_allocated`` on GPUs, the process's peak resident memory on CPU).
 Under ``dp`` device 0 holds the master weights and gathers every output, so its peak memory stands above the
 others'; under ``ddp`` the rows are even. Where ``torch.compile`` ran during training, a line follows with what it
 did in the fit (its sanity check included): graphs compiled, recompiles, graph breaks and CUDA graphs skipped
@@ -25,6 +26,7 @@ worth a look).
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 from statistics import median
@@ -53,6 +55,7 @@ class RunReport(Callback):
         self._run = dict.fromkeys(_FIELDS, 0.0)
         self._global_step = 0  # trainer.global_step when the last training batch ended
         self._marks: list = []  # each training batch's start (perf_counter, or a CUDA event); None: a pause
+        self._step_ms: list[float] = []  # the run's step times so far (each epoch's, up to _MAX_MARKS of them)
         self._compiled_before: dict[str, int] = {}
         self._count = count_samples  # the task's way to count a batch's samples (spec.samples)
 
@@ -65,6 +68,7 @@ class RunReport(Callback):
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._run = dict.fromkeys(_FIELDS, 0.0)
+        self._step_ms = []
         self._global_step = trainer.global_step  # a resumed run's steps count from here
         self._count = spec_of(pl_module).samples or count_samples  # looked up once: it runs every batch
         for device in _devices(trainer):
@@ -154,7 +158,9 @@ class RunReport(Callback):
                 " | ".join([*parts, "resumed after its training", f"{devices} ({strategy_name(trainer)})", *note]),
             )
             return
-        step_ms = _median_interval_ms(self._marks)
+        intervals = _intervals_ms(self._marks)
+        self._step_ms += intervals
+        step_ms = median(intervals) if intervals else None
         parts += [
             f"{seconds:.1f} s",
             f"{samples / max(self._train_seconds, 1e-9):,.0f} samples/s",
@@ -191,6 +197,7 @@ class RunReport(Callback):
                     self._run["seconds"],
                     self._run["steps"],
                     peak,
+                    median(self._step_ms) if self._step_ms else math.nan,  # as the epoch lines' ms/step
                     _index(d, i, devices),
                 ]
                 for i, (d, peak) in enumerate(zip(devices, peaks, strict=True))
@@ -198,16 +205,18 @@ class RunReport(Callback):
             dtype=torch.float64,
             device=pl_module.device,
         )
-        gathered = _gather(local).reshape(-1, len(devices), len(_FIELDS) + 1)
+        gathered = _gather(local).reshape(-1, len(devices), len(_FIELDS) + 2)
         rows = []
         for rank, per_rank in enumerate(gathered.tolist()):
-            for samples, seconds, steps, peak, index in per_rank:
+            for samples, seconds, steps, peak, step_ms, index in per_rank:
                 rows.append(
                     {
                         "rank": rank,
                         "device": devices[0].type if index < 0 else f"{devices[0].type}:{int(index)}",
                         "steps": int(steps),
-                        "step_ms": 1000 * seconds / max(steps, 1),
+                        # the median step, as the epoch lines' ms/step (the mean over the run counts its first steps
+                        # and loading too: 878 ms against the lines' 389 on one screen); one step: its time
+                        "step_ms": step_ms if math.isfinite(step_ms) else 1000 * seconds / max(steps, 1),
                         "samples_per_s": samples / max(seconds, 1e-9),
                         "peak_mib": peak / 2**20,
                     }
@@ -264,8 +273,8 @@ def compile_line(counts: dict[str, int]) -> str:
     )
 
 
-def _median_interval_ms(marks: list) -> float | None:
-    """The median time between consecutive step starts (``None`` marks a pause), in milliseconds."""
+def _intervals_ms(marks: list) -> list[float]:
+    """The times between consecutive step starts (``None`` marks a pause), in milliseconds."""
     events = [mark for mark in marks if isinstance(mark, torch.cuda.Event)]
     if events:
         events[-1].synchronize()  # done already where the epoch's end waited for the device; cheap if so
@@ -274,7 +283,7 @@ def _median_interval_ms(marks: list) -> float | None:
         if a is None or b is None:
             continue
         intervals.append(a.elapsed_time(b) if isinstance(a, torch.cuda.Event) else (b - a) * 1000)
-    return median(intervals) if intervals else None
+    return intervals
 
 
 def _batch_loss(trainer: Trainer, pl_module: LightningModule, outputs) -> tuple[torch.Tensor, int]:

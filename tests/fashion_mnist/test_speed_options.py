@@ -6,7 +6,9 @@ import csv
 import logging
 import re
 import sys
+import time
 from pathlib import Path
+from statistics import median
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from app.callbacks import ProgressBar, RichModelSummary, RunReport
-from app.callbacks.run_report import _median_interval_ms
+from app.callbacks.run_report import _intervals_ms
 from app.defaults import DEFAULT_CALLBACKS
 from app.fashion_mnist.data import FashionMNISTDataModule
 from app.fashion_mnist.model import ImageClassifier
@@ -211,8 +213,32 @@ def test_the_run_report_shows_the_step_time_and_what_torch_compile_did(compiled,
 
 def test_the_step_time_is_the_median_between_step_starts_and_skips_the_pauses():
     """Marks are step starts (seconds on CPU), ``None`` a validation between them: no interval spans it."""
-    assert _median_interval_ms([0.0, 0.010, 0.022, 0.052, None, 9.0, 9.012]) == pytest.approx(12.0)
-    assert _median_interval_ms([0.0, None, 1.0]) is None and _median_interval_ms([]) is None
+    assert median(_intervals_ms([0.0, 0.010, 0.022, 0.052, None, 9.0, 9.012])) == pytest.approx(12.0)
+    assert _intervals_ms([0.0, None, 1.0]) == [] and _intervals_ms([]) == []
+
+
+def test_the_run_reports_step_time_is_the_epoch_lines_median_not_a_mean_with_the_first_steps(tmp_path, monkeypatch):
+    """One screen said ``step ms 878.3`` in the run report and ``389.4 ms/step`` in the epoch lines: the report's
+    was the run's mean, first steps and loading included. Both are the median now: a first step 3 s slower moves
+    the mean by 3000 / steps ms and the median not at all."""
+    from lightning.pytorch import Callback
+
+    class SlowFirstStep(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 0 and batch_idx == 0:
+                time.sleep(3.0)
+
+    report = RunReport()
+    rows = []
+    monkeypatch.setattr(
+        RunReport, "on_train_end", lambda self, trainer, module: rows.extend(self.device_rows(trainer, module))
+    )
+    fit_tiny(
+        ImageClassifier(arch="resnet_tiny"), tmp_path, enable_model_summary=False, callbacks=[SlowFirstStep(), report]
+    )
+    [row] = rows
+    assert row["step_ms"] == pytest.approx(median(report._step_ms)), row
+    assert row["step_ms"] < 3000 / row["steps"] / 2, row  # the mean was at least 3000 / steps
 
 
 def test_flop_count_of_d2l_resnet18_matches_the_paper_figure():
