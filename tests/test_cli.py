@@ -301,3 +301,12 @@ def test_more_cpu_devices_than_cores_run_with_one_line_that_says_the_cost(workdi
             warnings.simplefilter("always")
             run_cli("fit", *short, f"--trainer.devices={devices}")
         assert [str(w.message) for w in caught if issubclass(w.category, TemplateWarning)] == said, devices
+
+
+def test_a_bar_that_max_steps_stops_inside_an_epoch_ends_at_the_batches_it_trained(workdir, capsys):
+    """Redirected output keeps the bar's last drawing: after ``max_steps=2`` it said ``1/8 ... 0.00it/s`` (the bar
+    redraws twice a second, and the last batch of an epoch only). It now ends at the batches trained, with a rate."""
+    args = ("--config", str(TINY_CONFIG), "--trainer.max_steps=2", "--trainer.enable_progress_bar=true")
+    run_cli("fit", *args, "--trainer.logger=false", "--trainer.enable_checkpointing=false")
+    [bar] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Epoch 0/")][-1:]
+    assert re.search(r" 2/8 .* [\d.]+it/s", bar) and "0.00it/s" not in bar, bar

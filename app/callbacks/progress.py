@@ -146,6 +146,7 @@ class ProgressBar(RichProgressBar):
         self.refresh_seconds = refresh_seconds
         self.show = ["train/loss"] if show is None else list(show)
         self._drawn_at = float("-inf")
+        self._trained_batches = 0
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -171,6 +172,10 @@ class ProgressBar(RichProgressBar):
         """The bar is finished: leave it where it is, so what is printed at the end of the run (the run report)
         comes below it, not above a bar redrawn under everything."""
         if self.progress is not None:
+            if self.train_progress_bar_id is not None:  # the batches trained since the last redraw: a run that
+                # max_steps ended inside an epoch left "1/184 ... 0.00it/s" on a screen that had trained 2
+                self.progress.update(self.train_progress_bar_id, completed=self._trained_batches)
+                self.refresh()
             self.progress.stop()  # Lightning's teardown stops it again (a no-op) and prepares the next stage's
 
     @override
@@ -197,6 +202,7 @@ class ProgressBar(RichProgressBar):
 
     @override
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs, batch, batch_idx: int) -> None:
+        self._trained_batches = batch_idx + 1  # drawn at the end of training, whether this batch was drawn or not
         if not self.is_disabled and self._due(batch_idx, self.total_train_batches):
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
 
