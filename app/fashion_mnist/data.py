@@ -132,16 +132,19 @@ class FashionMNISTDataModule(LightningDataModule):
 
     # ------------------------------------------------------------------ files (app.fashion_mnist.datafiles)
     def _check_data_dir(self) -> None:
-        """A ``--data.data_dir`` named on the command line that does not exist, while the real files are read from
-        the system copy: one line, before anything runs (a mistyped path to one's own copy would train on another)."""
+        """A ``--data.data_dir`` other than the default that does not exist, while the real files are read from the
+        system copy: one warning line, before anything runs (a mistyped path to one's own copy would otherwise train
+        on another copy without a word). A warning, not an error: a new folder is also where a script points a run
+        that may have to download, and the system copy holds the same published files."""
         given = self.hparams.data_dir
         if self.data_dir.exists() or self.data_dir == Path(DEFAULT_DATA_DIR) or self.hparams.source == "synthetic":
             return  # (the default folder, absent on a fresh clone, is where the system copy is documented to win)
         place = self.files.find_real()
         if place is not None and place.system:
-            raise UserError(
-                f"--data.data_dir={given}: no such folder; the Fashion-MNIST files would be read from {place.folder} "
-                f"({place.what}) instead. Fix the path, or leave --data.data_dir out to train on the system copy"
+            rank_zero_warn(
+                f"--data.data_dir={given}: no such folder; reading the Fashion-MNIST files of {place.folder} "
+                f"({place.what}) instead. If you meant a copy of your own, fix the path",
+                category=TemplateWarning,
             )
 
     @property

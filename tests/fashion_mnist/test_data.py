@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.errors import UserError
+from app.errors import TemplateWarning
 from app.fashion_mnist import synthetic
 from app.fashion_mnist.augment import random_crop_flip
 from app.fashion_mnist.data import FashionMNISTDataModule, TensorImageDataset, keep_batch
@@ -297,6 +297,7 @@ def test_the_real_files_are_found_in_data_dir_flat_and_in_the_system_copy(tmp_pa
     system = _tiny_real(tmp_path / "system", monkeypatch)
     monkeypatch.setenv("FASHION_MNIST_SYSTEM_DIR", str(system))
     data = tmp_path / "data"
+    data.mkdir()  # (one that does not exist, with the system copy there, gets a warning: the test further down)
     for place, expected in [
         (None, system),  # only the system copy
         (data, data),  # the flat layout comes before it
@@ -515,6 +516,7 @@ def test_a_synthetic_checkpoint_is_not_scored_silently_on_the_real_data(syntheti
     from tests.conftest import CPU_TEST_CONFIG
 
     _, ckpt = synthetic_run
+    (tmp_path / "data").mkdir()  # (one that does not exist, with the system copy there, gets a warning of its own)
     args = ("test", "--config", str(CPU_TEST_CONFIG), f"--data.data_dir={tmp_path / 'data'}", f"--ckpt_path={ckpt}")
     refused = _cli(tmp_path, *args, "--data.source=auto")
     assert refused.returncode == 2
@@ -570,36 +572,30 @@ def test_the_quickstart_reaches_test_accuracy_0_90_on_the_real_data(tmp_path, sy
     assert accuracy >= 0.90
 
 
-def test_a_data_dir_that_does_not_exist_is_one_line_where_the_system_copy_would_be_read_instead(
-    tmp_path, monkeypatch, capsys
-):
+def test_a_data_dir_that_does_not_exist_says_so_where_the_system_copy_is_read_instead(tmp_path, monkeypatch):
     """``--data.data_dir=my_dataa`` (a typo of one's own copy) trained on the system copy with exit 0, its data line
-    naming the system folder and nothing naming the missing one. Now: one line naming the flag, the folder that
-    would be read and the fix, exit 2, before Lightning's first line; nothing written."""
-    from tests.fashion_mnist.conftest import run_cli
-
+    naming the system folder and nothing naming the missing one. Now one warning line names the flag, the folder
+    read instead and the fix, when the data module is made (before the trainer); the default folder, a folder that
+    exists, the synthetic stand-in and a run without a system copy (a download goes there) say nothing."""
     system = _tiny_real(tmp_path / "system", monkeypatch)
     monkeypatch.setenv("FASHION_MNIST_SYSTEM_DIR", str(system))
     monkeypatch.chdir(tmp_path)
-    before = _listing(tmp_path)
-    with pytest.raises(SystemExit) as exited:
-        run_cli("fit", "--data.data_dir=my_dataa", "--data.source=fashion_mnist", "--trainer.max_steps=1")
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert err == (
-        f"error: --data.data_dir=my_dataa: no such folder; the Fashion-MNIST files would be read from {system} "
-        "($FASHION_MNIST_SYSTEM_DIR) instead. Fix the path, or leave --data.data_dir out to train on the system copy\n"
-    ), err
-    assert _listing(tmp_path) == before
-    with pytest.raises(UserError, match=r"^--data.data_dir=\S+my_dataa: no such folder"):
-        FashionMNISTDataModule(data_dir=str(tmp_path / "my_dataa"))  # source auto reads the system copy too
-    # left alone: the default folder (absent on a fresh clone), a folder that exists, the synthetic stand-in's
-    FashionMNISTDataModule()
-    FashionMNISTDataModule(data_dir=str(tmp_path / "my_dataa"), source="synthetic")
-    (tmp_path / "my_dataa").mkdir()
-    FashionMNISTDataModule(data_dir=str(tmp_path / "my_dataa"))
-    monkeypatch.setenv("FASHION_MNIST_SYSTEM_DIR", "")  # no system copy: a new folder is where a download goes
-    FashionMNISTDataModule(data_dir=str(tmp_path / "new"), source="fashion_mnist")
+    for source in ("fashion_mnist", "auto"):
+        with pytest.warns(TemplateWarning) as caught:
+            FashionMNISTDataModule(data_dir="my_dataa", source=source)
+        assert [str(w.message) for w in caught] == [
+            f"--data.data_dir=my_dataa: no such folder; reading the Fashion-MNIST files of {system} "
+            "($FASHION_MNIST_SYSTEM_DIR) instead. If you meant a copy of your own, fix the path"
+        ]
+    assert not (tmp_path / "my_dataa").exists()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FashionMNISTDataModule()
+        FashionMNISTDataModule(data_dir="my_dataa", source="synthetic")
+        (tmp_path / "my_dataa").mkdir()
+        FashionMNISTDataModule(data_dir="my_dataa")
+        monkeypatch.setenv("FASHION_MNIST_SYSTEM_DIR", "")  # no system copy: a new folder is where a download goes
+        FashionMNISTDataModule(data_dir=str(tmp_path / "new"), source="fashion_mnist")
 
 
 # Where the docs repeat the quickstart's measured figures (bench/results/quickstart-cpu.md, the one source): each
