@@ -10,8 +10,9 @@ by tests/conftest.py).
   ``TEMPLATE_EXPECTED_SKIPS`` (a regular expression). Everything else this machine can run, so it must run: the
   two-node tests and the real-data tests skipping because a probe failed would otherwise pass unseen.
 
-The per-file budgets are about 1.5 times each file's time in the fresh-clone run of 2026-11-27 (docs/testing.md,
-"Time budget"); a new file gets :data:`NEW_FILE_SECONDS` until it is listed.
+The per-file budgets are about 1.5 times each file's time in a fresh-clone run of 2026-11-27 with other work beside
+it (eed8333, 17:35 UTC; docs/testing.md, "Time budget"), and more where a file's tests grew since; a new file gets
+:data:`NEW_FILE_SECONDS` until it is listed.
 """
 
 from __future__ import annotations
@@ -27,21 +28,21 @@ SUITE_MINUTES = 40
 FAST_MINUTES = 2
 NEW_FILE_SECONDS = 60
 FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (2 workers)
-    "tests/test_elastic.py": 560,
-    "tests/test_as_users_run_it.py": 430,
-    "tests/test_reliability.py": 380,
-    "tests/test_two_nodes.py": 600,
-    "tests/test_fork.py": 270,
-    "tests/test_chaos.py": 210,
-    "tests/test_model_parallel.py": 260,
-    "tests/fashion_mnist/test_data.py": 170,
-    "tests/fashion_mnist/test_tools.py": 130,
-    "tests/test_callbacks.py": 110,
-    "tests/test_strategies.py": 110,
-    "tests/fashion_mnist/test_example_task.py": 80,
-    "tests/test_reductions.py": 60,
-    "tests/test_cli.py": 60,
-    "tests/fashion_mnist/test_speed_options.py": 50,
+    "tests/test_elastic.py": 670,
+    "tests/test_as_users_run_it.py": 460,
+    "tests/test_reliability.py": 520,
+    "tests/test_two_nodes.py": 630,
+    "tests/test_fork.py": 310,
+    "tests/test_chaos.py": 250,
+    "tests/test_model_parallel.py": 320,
+    "tests/fashion_mnist/test_data.py": 220,
+    "tests/fashion_mnist/test_tools.py": 170,
+    "tests/test_callbacks.py": 130,
+    "tests/test_strategies.py": 160,
+    "tests/fashion_mnist/test_example_task.py": 90,
+    "tests/test_reductions.py": 100,
+    "tests/test_cli.py": 90,
+    "tests/fashion_mnist/test_speed_options.py": 70,
     "tests/test_launcher.py": 40,
     "tests/test_divergence.py": 30,
     "tests/test_lightning_internals.py": 30,

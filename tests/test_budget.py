@@ -131,3 +131,25 @@ def test_a_fast_test_that_starts_an_interpreter_importing_torch_fails(tmp_path):
     assert "3 passed, 1 error" in output, output[-3000:]
     assert "ERROR test_planted.py::test_fast_but_starts_lightning" in output, output[-3000:]
     assert "not marked slow, but its child processes took" in output
+
+
+def test_the_readme_quotes_the_budgets_and_the_newest_whole_run_alone():
+    """The suite's figures have one source each: the budgets are tests/budget.py's, the time is the newest whole
+    fresh-clone run alone on the machine in docs/testing.md's table of runs (the README said "about 13 minutes"
+    for a suite of 30 and named no budget)."""
+    import re
+
+    from tests.budget import FAST_MINUTES, SUITE_MINUTES
+    from tests.conftest import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    whole = re.search(r"runs the whole test suite \(CPU only, about (\d+) minutes on 2 cores with the install; its "
+                      r"budget: (\d+)\)", readme)  # fmt: skip
+    fast = re.search(r"`make test-fast` is the inner loop: .*?, about (a|\d+) minutes?, budget (\d+);", readme, re.S)
+    assert whole and fast, "README.md no longer quotes the suite's time and budget where this test reads them"
+    assert (int(whole[2]), int(fast[2])) == (SUITE_MINUTES, FAST_MINUTES)
+    runs = (ROOT / "docs" / "testing.md").read_text().split("### The runs of 2026-11-27")[1].split("\n\n")[2]
+    alone = [row for row in runs.splitlines() if "| alone |" in row and "failed" not in row]
+    minutes, seconds = map(int, re.search(r"\| (\d+) min (\d+) s \|$", alone[-1]).groups())
+    install = 2  # minutes: the venv's install on a fresh clone (76 s measured)
+    assert abs(int(whole[1]) - (minutes + seconds / 60 + install)) <= 3, (whole[0], alone[-1])
