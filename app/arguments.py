@@ -27,9 +27,10 @@ from app.errors import UserError
 from app.task import import_class
 
 CKPT_PATH_HELP = (
-    "Checkpoint to start from: a file (lightning_logs/version_N/checkpoints/last.ckpt, or epoch=E-val_acc=A.ckpt "
-    "there), 'last' (the newest run's last.ckpt; fit starts fresh when there is none) or 'best' (the best checkpoint "
-    "of the newest run). Its network settings (--model.arch, norm, num_classes) are used."
+    "Checkpoint to start from: a file (lightning_logs/version_N/checkpoints/last.ckpt, or another .ckpt there), "
+    "'last' (the newest last.ckpt of a run with this command's settings, else the newest of all; fit starts fresh "
+    "when there is none) or 'best' (the best checkpoint of that run). The checkpoint's network settings (those the "
+    "task's spec.network names) are used."
 )
 
 

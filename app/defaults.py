@@ -45,7 +45,7 @@ def trainer_defaults(
     callbacks: list | None = None,
     drop_callbacks: tuple[str, ...] = (),
     logger: bool = True,
-    watchdog_timeout: float = 60.0,
+    watchdog_timeout: float | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``lightning.Trainer`` that give a run what ``cli.py`` gives it.
 
@@ -56,14 +56,15 @@ def trainer_defaults(
             replaces that default, as in ``cli.py``.
         drop_callbacks: Default callbacks to leave out, by class name (``cli.py``'s ``--drop_callbacks``).
         logger: False: no loggers and no run folder (checkpoints go into ``ROOT/checkpoints``).
-        watchdog_timeout: ``--watchdog.timeout``: seconds without a sign of life before a rank counts as lost.
+        watchdog_timeout: ``--watchdog.timeout``: seconds without a sign of life before a rank counts as lost
+            (default: the callback's, as in ``cli.py``; it was 60 here while ``cli.py`` gave 15).
     """
     own = list(callbacks or [])
     settings = {"logger": logger or None}
     built = default_callbacks(settings, own, list(drop_callbacks), spec_of(model))
     kwargs: dict[str, Any] = {
         "default_root_dir": str(default_root_dir),
-        "callbacks": [*built, *own, RankWatchdog(timeout=watchdog_timeout)],
+        "callbacks": [*built, *own, RankWatchdog() if watchdog_timeout is None else RankWatchdog(watchdog_timeout)],
         "plugins": [SafeCheckpointIO()],
         "logger": False,
     }

@@ -508,3 +508,23 @@ def test_a_new_lr_on_resume_makes_the_schedulers_base_what_an_unbroken_run_at_th
     unbroken = steps(unbroken_optimizer, unbroken_scheduler, 5)
     assert resumed == pytest.approx(unbroken, rel=1e-12), (resumed, unbroken, changes)
     assert scheduler.base_lrs == pytest.approx(unbroken_scheduler.base_lrs, rel=1e-12)
+
+
+def test_the_python_apis_rank_watchdog_waits_as_long_as_cli_pys():
+    """``trainer_defaults`` gives "what cli.py gives a run", but its watchdog waited 60 s for a silent rank where
+    ``cli.py``'s (``--watchdog.timeout``, the callback's default) waits 15: the same lost node cost a Python-API run
+    45 s more. Both take the callback's default now; an explicit timeout is kept."""
+    import inspect
+
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from app.callbacks.rank_watchdog import RankWatchdog
+    from app.defaults import trainer_defaults
+
+    def watchdog(**kwargs) -> RankWatchdog:
+        [found] = [c for c in trainer_defaults(BoringModel(), **kwargs)["callbacks"] if isinstance(c, RankWatchdog)]
+        return found
+
+    cli_default = inspect.signature(RankWatchdog.__init__).parameters["timeout"].default  # what the CLI's parser offers
+    assert watchdog().timeout == cli_default == 15.0
+    assert watchdog(watchdog_timeout=42.0).timeout == 42.0
