@@ -602,7 +602,7 @@ def test_a_data_dir_that_does_not_exist_says_so_where_the_system_copy_is_read_in
 # copy as a pattern that captures the fit's seconds and/or the test accuracy.
 QUICKSTART_COPIES = {
     "README.md": (
-        r"the quickstart config and tests it \(fit: (?P<fit_s>\d+) s on a 2-core CPU, test acc (?P<acc>[\d.]+)\)",
+        r"scores it on the test set \(fit: (?P<fit_s>\d+) s on 2 CPU cores, test acc (?P<acc>[\d.]+) ",
         r"reaches test accuracy (?P<acc>[\d.]+): (?P<fit_s>\d+) s of `cli.py fit`",
         r"configs/quickstart.yaml +# resnet_mini, 2 epochs, (?P<fit_s>\d+) s on a 2-core CPU",
     ),
