@@ -9,7 +9,7 @@ python cli.py fit --model=mypkg.MyModel --data=mypkg.MyData        # any task by
 python cli.py --help
 """
 
-from app.cli import main
+from app.run.cli import main
 
 # The task a run trains when the command line names no class, and its own subcommands beside Lightning's and plot
 # (name: its module, which has a main(argv), and what --help says of it). A fork that makes its own task the default

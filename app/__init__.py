@@ -27,14 +27,14 @@ def _check_torchvision() -> None:
 
 
 import app.errors  # noqa: E402
-import app.quiet  # noqa: E402
+import app.launch.library_noise  # noqa: E402
 
-app.quiet.install()
+app.launch.library_noise.install()
 app.errors.install_warning_format()  # the template's warnings read "warning: ...", like its "error: ..." lines
 _check_torchvision()
 
-import app.process_group  # noqa: E402
+import app.launch.process_group  # noqa: E402
 
-app.process_group.install()  # no rank ends in SIGABRT at exit (see the module)
+app.launch.process_group.install()  # no rank ends in SIGABRT at exit (see the module)
 
 import app.strategies  # noqa: E402, F401  (registers "dp" and "horovod" in Lightning's StrategyRegistry)

@@ -15,7 +15,7 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    checkpoint; its own saving code, with its own conditions, refreshes ``last.ckpt`` at every save point.
 4. :func:`drop_layer_sync` — ``Trainer(sync_batchnorm=True)`` makes the ddp strategies convert BatchNorm layers
    to ``torch.nn.SyncBatchNorm`` in their set-up, which fails on CPU; the SyncBatchNorm callback converts instead.
-5. ``CkptPathRule._parse_ckpt_path`` (:mod:`app.resume`) — ``LightningCLI``'s step that reads the checkpoint's
+5. ``CkptPathRule._parse_ckpt_path`` (:mod:`app.run.resume`) — ``LightningCLI``'s step that reads the checkpoint's
    hyperparameters into the config; overridden to apply the template's ``--ckpt_path`` rule.
 6. :func:`take_over_local_ranks` — the ``ddp`` launcher's child-process observer SIGKILLs rank 0 as soon as a
    child rank exits with a non-zero code, which after a preemption (143) or a divergence stop is the planned exit;
@@ -32,7 +32,7 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
 9. :func:`saving_alone` — ``Trainer.save_checkpoint`` on a broken process group: the strategy's barrier and its
    rank-0-only save, replaced for the duration of one save (:func:`saves_alone` tells checkpoint hooks so).
 10. :func:`spawned_ranks_launcher` — ``ddp_spawn``'s launcher (the exact class ``_MultiProcessingLauncher``) in the
-   launching process, whose SIGTERM the template passes on to the ranks it spawned (:mod:`app.signals`).
+   launching process, whose SIGTERM the template passes on to the ranks it spawned (:mod:`app.launch.signals`).
 11. :func:`free_strategy_name` — Lightning's accelerator connector refuses any strategy registered under a name
    its own ``FSDPStrategy`` registered (``"fsdp"``) unless the accelerator is a GPU; the template's ``fsdp``
    (app/strategies/fsdp.py) runs on CPU too, so the name leaves that list when the template takes it over.
@@ -73,11 +73,11 @@ PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
         "lightning.pytorch.strategies:DDPStrategy",
         "DDP's launcher for the stages' processes (super()._configure_launcher())",
     ),
-    ("app/strategies/split.py", "_configure_launcher"): (
+    ("app/strategies/model_parallel.py", "_configure_launcher"): (
         "lightning.pytorch.strategies:DDPStrategy",
         "DDP's launcher for the model-parallel strategies' processes (super()._configure_launcher())",
     ),
-    ("app/strategies/mpirun.py", "_strategy"): (
+    ("app/strategies/launchers/mpirun.py", "_strategy"): (
         "lightning.pytorch.strategies.launchers.multiprocessing:_MultiProcessingLauncher",
         "the launcher's strategy, which ResultsLauncher (above) inherits and mpirun's launcher reads",
     ),
@@ -106,9 +106,9 @@ PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
         "to name ddp_spawn in the run report",
     ),
     # LightningCLI's step that reads a checkpoint's hyperparameters into the config (item 5 above).
-    ("app/resume.py", "_parse_ckpt_path"): ("lightning.pytorch.cli:LightningCLI", "the --ckpt_path rule"),
+    ("app/run/resume.py", "_parse_ckpt_path"): ("lightning.pytorch.cli:LightningCLI", "the --ckpt_path rule"),
     # jsonargparse keeps its arguments in argparse's list; neither has a public one.
-    ("app/arguments.py", "_actions"): ("argparse:ArgumentParser", "the flags a bad value or a typo belongs to"),
+    ("app/run/arguments.py", "_actions"): ("argparse:ArgumentParser", "the flags a bad value or a typo belongs to"),
     # Neither Module.compile() (which sets _compiled_call_impl) nor torch.compile's wrapper (which keeps the module in
     # _orig_mod) leaves a public mark on a module: dp refuses a compiled one.
     ("app/strategies/dp.py", "_compiled_call_impl"): ("torch.nn:Module", "is this module compiled in place"),
@@ -131,8 +131,8 @@ PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
     # Private keys: LightningCLI records the class of a module and of a data module in their hyperparameters under
     # "_class_path"; a checkpoint's writer is read from there. torch's schedulers keep the lr they last set in
     # "_last_lr" of their state dict; a resume does not count it as a changed setting.
-    ("app/checkpoint_io.py", "_class_path"): ("lightning.pytorch.cli", "the class that wrote a checkpoint"),
-    ("app/resume.py", "_class_path"): ("lightning.pytorch.cli", "the data module class that wrote a checkpoint"),
+    ("app/checkpoints/io.py", "_class_path"): ("lightning.pytorch.cli", "the class that wrote a checkpoint"),
+    ("app/run/resume.py", "_class_path"): ("lightning.pytorch.cli", "the data module class that wrote a checkpoint"),
     ("app/callbacks/resume_settings.py", "_last_lr"): (
         "torch.optim.lr_scheduler:LRScheduler",
         "the lr a scheduler last set, in its state dict: not a setting",
@@ -173,11 +173,11 @@ RUN_TIME_PATCHES: dict[tuple[str, str], tuple[str, str]] = {
         "lightning.pytorch.callbacks.model_checkpoint:ModelCheckpoint",
         "the stop's save recorded as last.ckpt, as save_last does",
     ),
-    ("app/strategies/mpirun.py", "config_filename"): (
+    ("app/strategies/launchers/mpirun.py", "config_filename"): (
         "lightning.pytorch.cli:SaveConfigCallback",
         "a restart writes config.restartN.yaml beside the first start's config.yaml",
     ),
-    ("app/strategies/mpirun.py", "overwrite"): (
+    ("app/strategies/launchers/mpirun.py", "overwrite"): (
         "lightning.pytorch.cli:SaveConfigCallback",
         "a restart writes config.restartN.yaml beside the first start's config.yaml",
     ),

@@ -27,7 +27,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from typing_extensions import override
 
-from app.strategies.parallelism import parallelism
+from app.parallelism import parallelism
 
 
 def fit_to_ranks(count: int, ranks: int, drop_last: bool) -> int:

@@ -199,7 +199,7 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
     if strategy:
         cmd.append(f"--trainer.strategy={strategy}")
     if base == "lightning":  # Lightning alone: no default callback, logger, checkpoint, bar or summary
-        from app.defaults import DEFAULT_CALLBACK_NAMES
+        from app.run.defaults import DEFAULT_CALLBACK_NAMES
 
         cmd += [f"--drop_callbacks=[{','.join(DEFAULT_CALLBACK_NAMES)}]", "--trainer.logger=false"]
         cmd += ["--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false"]

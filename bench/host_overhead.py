@@ -9,7 +9,7 @@ headroom ``cli.py`` loses against a plain loop (issue 44). This runs the same tr
 batches of one sample) three ways, each in this process:
 
 - ``lightning``: Lightning alone, no callbacks, no logger;
-- ``template``: with what ``app.defaults.trainer_defaults`` adds (the default callbacks, the loggers), less the
+- ``template``: with what ``app.run.defaults.trainer_defaults`` adds (the default callbacks, the loggers), less the
   progress bar (a terminal's cost, not a step's);
 - ``template`` again with each default callback's per-step hooks timed: the microseconds each hook body takes per
   step, and the rest of the difference, which is Lightning calling every hook of every callback whether it does
@@ -34,7 +34,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
-from app.defaults import trainer_defaults
+from app.run.defaults import trainer_defaults
 
 HOOKS = (  # Lightning calls each of these on every callback at every training batch
     "on_train_batch_start",

@@ -7,8 +7,8 @@ Both mechanisms run in the same 2 processes, one after the other in rotating ord
 copy each with the same start weights and batches:
 
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (25 MiB buckets, its default, overlapping backward);
-- ``horovod fused (N MiB)``: :class:`app.reductions.GradientAllreduce` as the horovod strategy's mpi backend uses
-  it, with fusion buckets of ``--fusion-mb`` (``--trainer.strategy.fusion_mb``), the first of at most 1 MiB (as
+- ``horovod fused (N MiB)``: :class:`app.strategies.reductions.GradientAllreduce` as the horovod strategy's mpi backend
+uses   it, with fusion buckets of ``--fusion-mb`` (``--trainer.strategy.fusion_mb``), the first of at most 1 MiB (as
   the strategy's, and DDP's), started during backward;
 - ``horovod fused (N MiB, one size)``: the same for each size of ``--one-size``, with a first bucket as large as
   the others (the strategy before its first bucket was small);
@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from app.fashion_mnist.networks import build_resnet
-from app.reductions import FIRST_BUCKET_MB, GradientAllreduce
+from app.strategies.reductions import FIRST_BUCKET_MB, GradientAllreduce
 from bench.report import record
 
 

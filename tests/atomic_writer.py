@@ -2,7 +2,7 @@
 
 import torch
 
-from app.checkpoint_io import atomic_torch_save
+from app.checkpoints.io import atomic_torch_save
 
 
 def write_forever(path: str, done) -> None:

@@ -1,6 +1,6 @@
 """A user's script whose ranks leave an asynchronous gloo all-reduce unfinished when they exit (a test fixture).
 
-Without ``app.process_group``'s exit handler most runs of this end with a rank aborted by
+Without ``app.launch.process_group``'s exit handler most runs of this end with a rank aborted by
 ``terminate called without an active exception``; ``import app`` must make every rank exit 0.
 """
 

@@ -34,11 +34,12 @@ def workdir(tmp_path, monkeypatch) -> Path:
 
 
 def pytest_runtest_setup(item):
-    """The filters ``import app`` installs (app/quiet.py), again for each test (its fixtures included): pytest resets
-    the warning filters around every test, so without this in-process runs would show warnings users never see."""
-    import app.quiet
+    """The filters ``import app`` installs (app/launch/library_noise.py), again for each test (its fixtures included):
+    pytest resets the warning filters around every test, so without this in-process runs would show warnings users never
+    see."""
+    import app.launch.library_noise
 
-    app.quiet.install()
+    app.launch.library_noise.install()
 
 
 FAST_CHILD_CPU = 1.0  # CPU-seconds a test not marked slow may spend in the processes it starts and waits for
@@ -140,7 +141,7 @@ TINY_TASK = {"model": "tests.tiny.TinyClassifier", "data": "tests.tiny.TinyData"
 def run_cli(*args: str, **task: str) -> None:
     """Run ``cli.py`` in this process (fast: no new interpreter, no re-import of torch), with the tests' own task
     as its default (``task``: another ``model=``/``data=``): a run that names no class trains it."""
-    from app.cli import main
+    from app.run.cli import main
 
     main(list(args), **(task or TINY_TASK))
 

@@ -124,7 +124,7 @@ class Fault(Callback):
         elif self.action == "disk_full":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         elif self.action == "hang_mpirun_then_kill":
-            from app.launcher import mpi_daemon
+            from app.launch.launcher import mpi_daemon
 
             daemon = mpi_daemon()
             assert daemon is not None, "hang_mpirun_then_kill: this rank has no mpirun"

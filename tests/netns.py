@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
-from app.signals import process_alive
+from app.launch.signals import process_alive
 
 PREFIX = "tn2-"  # every namespace this module makes: tn2-<pid>-<n>-<host>
 SUBNET = "10.77.0"  # the nodes' /24

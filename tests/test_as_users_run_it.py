@@ -27,9 +27,9 @@ import pytest
 import yaml
 from lightning.pytorch import Callback
 
-from app.checkpoint_io import load_checkpoint
-from app.cli import main
-from app.plot import epoch_metrics
+from app.checkpoints.io import load_checkpoint
+from app.run.cli import main
+from app.run.plot import epoch_metrics
 from tests import warm
 from tests.conftest import ROOT, TINY_CONFIG, TINY_TASK
 
@@ -164,7 +164,7 @@ def test_lightning_switches_work_beside_the_default_callbacks(switch, expect, tm
 
 def test_a_bf16_mixed_run_shows_its_model_summary_without_a_warning(tmp_path):
     """Lightning warns that the summary does not support bf16-mixed; the parameters are float32 under mixed
-    precision, as the summary assumes, so app/quiet.py silences it."""
+    precision, as the summary assumes, so app/launch/library_noise.py silences it."""
     root = tmp_path / "root"
     flags = ("--trainer.precision=bf16-mixed", "--trainer.enable_model_summary=true")
     result = run(cli_command(f"--trainer.default_root_dir={root}", *flags), cwd=tmp_path)
@@ -236,7 +236,8 @@ def test_a_yaml_callbacks_list_keeps_the_default_callbacks(tmp_path):
 
 def test_compiling_on_a_cpu_does_not_warn_of_a_missing_cuda_runtime(caplog):
     """``--model.compile=true`` on a CPU machine with a CUDA toolkit installed printed torch's "No CUDA runtime is
-    found, using CUDA_HOME=..." (inductor looks for the toolkit): app/quiet.py drops that line, and only that one."""
+    found, using CUDA_HOME=..." (inductor looks for the toolkit): app/launch/library_noise.py drops that line, and only
+    that one."""
     log = logging.getLogger("torch.utils.cpp_extension")
     with caplog.at_level(logging.WARNING):
         log.warning("No CUDA runtime is found, using CUDA_HOME='%s'", "/usr/local")
@@ -266,7 +267,7 @@ def test_cli_mistakes_get_one_line_with_the_fix(capsys, tmp_path):
 
 def test_help_names_the_tools_and_what_ckpt_path_takes(capsys, tmp_path):
     """--help names the machinery's tools (plot) and those a task's cli.py passes in, which then run."""
-    tools = {"draw": ("app.plot", "'cli.py draw RUN' draws the run")}
+    tools = {"draw": ("app.run.plot", "'cli.py draw RUN' draws the run")}
     with pytest.raises(SystemExit):
         main(["--help"], **TINY_TASK, tools=tools)
     out = " ".join(capsys.readouterr().out.split())
@@ -535,7 +536,7 @@ def test_a_horovod_rank_killed_in_its_save_leaves_what_the_launcher_says(moment,
 
 
 def launch_folders_of(pid: int) -> list[Path]:
-    """The self-launch folders (app.strategies.mpirun) of the launcher process ``pid``."""
+    """The self-launch folders (app.strategies.launchers.mpirun) of the launcher process ``pid``."""
     found = []
     for folder in Path(tempfile_dir()).glob("horovod-launch-*"):
         with contextlib.suppress(OSError):

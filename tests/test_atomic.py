@@ -1,4 +1,4 @@
-"""app/atomic.py: a file is replaced whole or not at all."""
+"""app/checkpoints/atomic.py: a file is replaced whole or not at all."""
 
 import multiprocessing
 import os
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from app.atomic import atomic_path, atomic_write, write_bytes, write_text
+from app.checkpoints.atomic import atomic_path, atomic_write, write_bytes, write_text
 
 
 def test_a_block_that_raises_leaves_the_old_file_and_nothing_else(tmp_path):

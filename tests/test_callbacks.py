@@ -519,7 +519,7 @@ def test_the_python_apis_rank_watchdog_waits_as_long_as_cli_pys():
     from lightning.pytorch.demos.boring_classes import BoringModel
 
     from app.callbacks.rank_watchdog import RankWatchdog
-    from app.defaults import trainer_defaults
+    from app.run.defaults import trainer_defaults
 
     def watchdog(**kwargs) -> RankWatchdog:
         [found] = [c for c in trainer_defaults(BoringModel(), **kwargs)["callbacks"] if isinstance(c, RankWatchdog)]

@@ -265,7 +265,7 @@ def test_rerunning_a_runs_config_yaml_keeps_that_run_and_logs_to_a_new_folder(wo
 )
 def test_only_the_subcommand_asked_for_gets_a_parser(argv, built, monkeypatch, capsys):
     """Each subcommand's parser takes about 0.2 s to build; ``cli.py fit`` needs fit's only."""
-    from app.cli import Parser, main
+    from app.run.cli import Parser, main
 
     seen = []
     add = Parser.add_method_arguments
@@ -285,8 +285,8 @@ def test_more_cpu_devices_than_cores_run_with_one_line_that_says_the_cost(workdi
     so it runs, with one ``warning:`` line; as many devices as cores say nothing."""
     import warnings
 
-    from app.checks import usable_cores
     from app.errors import TemplateWarning
+    from app.run.checks import usable_cores
 
     cores = usable_cores()
     short = ("--config", str(TINY_CONFIG), "--trainer.strategy=dp", "--trainer.max_steps=1")

@@ -27,13 +27,13 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from lightning.pytorch import Trainer
 from torch.utils.data import DistributedSampler, TensorDataset
 
-from app.checkpoint_io import CHECKPOINT_FORMAT, FORMAT_KEY, atomic_torch_save, check_compatible, load_checkpoint
-from app.elastic import agent_id, finished_run_of, mark_run, run_of, take_launcher_numbers
+from app.checkpoints.io import CHECKPOINT_FORMAT, FORMAT_KEY, atomic_torch_save, check_compatible, load_checkpoint
+from app.checkpoints.saved_state import MPI_LAUNCH_DIR, saved_state_announcer, saved_states
 from app.errors import UserError
-from app.launcher import torchrun_job
+from app.launch.launcher import torchrun_job
+from app.launch.restarts import agent_id, finished_run_of, mark_run, run_of, take_launcher_numbers
 from app.loader import DeviceLoader, ResumableLoader, ResumableSampler
 from app.strategies import HorovodStrategy
-from app.strategies.saved_state import MPI_LAUNCH_DIR, saved_state_announcer, saved_states
 from tests import warm
 from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import MPI_ENV
@@ -616,7 +616,7 @@ def test_a_late_save_after_a_failure_leaves_a_later_checkpoint_in_place(tmp_path
     """A node cut off from a shared run folder saves its state late; by then the nodes that went on may have written a
     later last.ckpt. The save checks just before its rename (atomic_torch_save's ``unless``) and leaves it: the file,
     its content and the folder are as they were, and a horovod launcher's report is taken back."""
-    from app.checkpoint_io import saved_at_step
+    from app.checkpoints.io import saved_at_step
 
     launch, checkpoints = tmp_path / "launch", tmp_path / "checkpoints"
     launch.mkdir()
@@ -923,7 +923,7 @@ def test_a_stopping_rank_promises_a_restart_only_when_one_is_left(monkeypatch, t
     """'The launcher restarts the job' was printed with torchrun's restarts used up and under horovod without
     restarts (issue 34, item 10): the advice now follows what the launcher will do."""
     from app.callbacks.rank_watchdog import what_next
-    from app.elastic import MPI_RESTARTS_LEFT
+    from app.launch.restarts import MPI_RESTARTS_LEFT
 
     last = tmp_path / "last.ckpt"
     last.write_bytes(b"x")

@@ -20,11 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.arguments import Parser
 from app.callbacks.prediction_writer import batch_labels, prediction_columns
-from app.checks import names_class
-from app.defaults import checkpoint_options
-from app.run_dir import release_if_unused
+from app.checkpoints.run_folders import release_if_unused
+from app.run.arguments import Parser
+from app.run.checks import names_class
+from app.run.defaults import checkpoint_options
 from app.task import TaskSpec, batch_samples, count_samples, spec_of
 from tests import warm
 from tests.conftest import ROOT, TINY_TASK
@@ -38,7 +38,7 @@ SEQUENCE = ("--model=examples.sequence.SequenceRegressor", "--data=examples.sequ
 # ------------------------------------------------------------------------------------------ the seam, unit by unit
 def _imports(path: Path, root: Path = ROOT) -> set[str]:
     """Every module ``path`` imports, in functions too, relative imports resolved (``from .fashion_mnist import x``
-    in app/cli.py is ``app.fashion_mnist``), and each imported name as ``module.name``."""
+    in app/run/cli.py is ``app.fashion_mnist``), and each imported name as ``module.name``."""
     package = list(path.relative_to(root).with_suffix("").parts)
     if package[-1] != "__init__":
         package = package[:-1]
@@ -94,12 +94,12 @@ def test_the_machinery_never_imports_the_example_task():
         text=True,
         check=True,
     ).stdout
-    assert "'app.fashion_mnist" not in loaded and "'app.cli'" in loaded, loaded[-2000:]
+    assert "'app.fashion_mnist" not in loaded and "'app.run.cli'" in loaded, loaded[-2000:]
 
 
 # What a task may import from the template: the contract (app.task), the loader, the errors, the safe checkpoint
 # reader and whole-file writes (docs/fork.md)
-TASK_API = ("app.task", "app.loader", "app.errors", "app.checkpoint_io", "app.atomic")
+TASK_API = ("app.task", "app.loader", "app.errors", "app.checkpoints.io", "app.checkpoints.atomic")
 
 
 def test_the_machinery_names_no_task_and_no_network():
@@ -230,7 +230,7 @@ def test_a_run_folder_with_anything_trained_or_logged_is_kept(tmp_path, header, 
 
 def test_plot_draws_another_tasks_per_epoch_metrics(tmp_path):
     """Its per-epoch metrics get a panel of their own; a metric logged per step (train_loss) is not one."""
-    from app.plot import epoch_metrics, panels
+    from app.run.plot import epoch_metrics, panels
 
     run = tmp_path / "version_0"
     run.mkdir()
@@ -243,7 +243,7 @@ def test_plot_draws_another_tasks_per_epoch_metrics(tmp_path):
 
 
 def test_a_named_class_that_cannot_be_imported_is_one_line_saying_where(tmp_path, monkeypatch, capsys):
-    from app.cli import main
+    from app.run.cli import main
 
     (tmp_path / "buggy.py").write_text("import torch\n\nrate = 1 / 0\n")
     (tmp_path / "needs.py").write_text("import not_installed_dep\n")
@@ -506,7 +506,7 @@ def test_a_users_own_entry_script_with_its_classes_inside(tmp_path):
         USER_PACKAGE
         + textwrap.dedent(
             """
-            from app.cli import main
+            from app.run.cli import main
             from app.task import TaskSpec
 
             class Ranked(TinyCNN):
@@ -633,7 +633,7 @@ import sys
 
 from lightning.pytorch import Trainer
 
-from app.defaults import last_checkpoint, trainer_defaults
+from app.run.defaults import last_checkpoint, trainer_defaults
 from examples.sequence import SequenceData, SequenceRegressor
 
 
@@ -653,7 +653,7 @@ if __name__ == "__main__":
 def test_the_python_api_gets_what_the_cli_gives(tmp_path):
     """``Trainer(**trainer_defaults(model, root))`` under ddp: a claimed run folder per run, the checkpoint ranked by
     the task's metric, atomic checkpoints with the template's format, and ``last_checkpoint`` resumes."""
-    from app.checkpoint_io import FORMAT_KEY
+    from app.checkpoints.io import FORMAT_KEY
 
     script = tmp_path / "train.py"
     script.write_text(API_SCRIPT)

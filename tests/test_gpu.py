@@ -43,7 +43,7 @@ def test_adasum_on_cuda_is_the_same_every_time_and_for_both_partners():
     """index_add_ adds with atomics on CUDA (an order that changes from call to call): the per-tensor sums of an
     Adasum exchange now reduce each tensor in a fixed order, so partners (who compute Adasum(lower, higher) each on
     their own) round alike and replicas do not drift (issue 35, item 14)."""
-    from app.reductions import adasum, segment_index
+    from app.strategies.reductions import adasum, segment_index
 
     torch.manual_seed(0)
     sizes = [64 * 3 * 3 * 3, 64, 512 * 512 * 9, 10]  # a large tensor: many blocks, where atomics reorder
@@ -73,8 +73,8 @@ def test_horovod_ranks_each_given_a_gpu_of_their_own_train_on_it(tmp_path):
 
 
 def test_a_dropout_model_stopped_mid_epoch_on_the_gpu_resumes_bitwise_an_unbroken_run(tmp_path):
-    """The CUDA generators travel in the checkpoint too (app/generators.py): dropout on the GPU draws from them, so a
-    run stopped after step 5 and resumed ends with the weights of an unbroken run, bit for bit (deterministic
+    """The CUDA generators travel in the checkpoint too (app/checkpoints/generators.py): dropout on the GPU draws from
+    them, so a run stopped after step 5 and resumed ends with the weights of an unbroken run, bit for bit (deterministic
     kernels). Without the RandomState callback the same stop and resume ends elsewhere: the comparison can fail."""
     from tests.test_reliability import DROPOUT, assert_same_weights, fit, last_ckpt, stop_and_resume, versions
 

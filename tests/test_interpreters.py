@@ -43,7 +43,9 @@ def test_the_report_sorts_fresh_interpreters_by_their_parent(tmp_path):
     record(tmp_path, "exit", 10, 1, worker, torch=True, lightning=True, cpu=50.0)
     record(tmp_path, "start", 11, 10, ["python", "cli.py", "fit"])  # a test's first run
     record(tmp_path, "exit", 11, 10, ["python", "cli.py", "fit"], torch=True, lightning=True, cpu=7.0)
-    record(tmp_path, "start", 12, 999, ["python", "-m", "app.strategies._mpi_worker"])  # killed: no exit record
+    record(
+        tmp_path, "start", 12, 999, ["python", "-m", "app.strategies.launchers._mpi_worker"]
+    )  # killed: no exit record
     record(tmp_path, "start", 13, 1, ["python", "-m", "torch.distributed.run", "cli.py"])
     record(tmp_path, "exit", 13, 1, ["python", "-m", "torch.distributed.run"], torch=True, cpu=3.0)
     record(tmp_path, "start", 14, 13, ["python", "cli.py", "fit"])

@@ -1,4 +1,5 @@
-"""app/launcher.py reads every launcher's variables (one place), and the self-launch's mpirun leaves ranks unbound."""
+"""app/launch/launcher.py reads every launcher's variables (one place), and the self-launch's mpirun leaves ranks
+unbound."""
 
 import os
 
@@ -7,11 +8,11 @@ import torch
 from jsonargparse import Namespace
 from lightning.pytorch.utilities import rank_zero_only
 
-from app.cli import _rank_has_own_gpu
 from app.errors import UserError
-from app.launcher import first_on_node, launcher_ranks, one_gpu_per_rank, slurm_tasks_per_node
+from app.launch.launcher import first_on_node, launcher_ranks, one_gpu_per_rank, slurm_tasks_per_node
+from app.run.cli import _rank_has_own_gpu
 from app.strategies.horovod import HorovodStrategy
-from app.strategies.mpirun import mpirun_command
+from app.strategies.launchers.mpirun import mpirun_command
 from tests.conftest import ROOT
 
 LAUNCH_VARS = (
@@ -83,13 +84,15 @@ def test_the_reaper_ends_the_ranks_and_removes_the_launch_folder_once_the_launch
     folder = tmp_path / "horovod-launch-x"
     folder.mkdir()
     (folder / "job.pkl").write_bytes(b"secret")
-    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "app.strategies._mpi_worker"])
+    rank = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)", "app.strategies.launchers._mpi_worker"]
+    )
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         (folder / "rank-1.pid").write_text(str(rank.pid))
         (folder / "rank-2.pid").write_text(str(other.pid))
         rank.send_signal(signal.SIGSTOP)
-        script = ROOT / "app" / "strategies" / "_reaper.py"
+        script = ROOT / "app" / "strategies" / "launchers" / "_reaper.py"
         reaper = subprocess.Popen([sys.executable, str(script), str(folder), "1"], stdin=subprocess.PIPE)
         time.sleep(0.5)
         assert folder.exists() and rank.poll() is None  # the launcher lives: nothing happens
@@ -112,10 +115,12 @@ def test_leftover_ranks_are_gone_before_the_launcher_reads_what_they_wrote(tmp_p
     import sys
     import time
 
-    from app.strategies._reaper import rank_pids, running
-    from app.strategies.mpirun import end_leftover_ranks
+    from app.strategies.launchers._reaper import rank_pids, running
+    from app.strategies.launchers.mpirun import end_leftover_ranks
 
-    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "app.strategies._mpi_worker"])
+    rank = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)", "app.strategies.launchers._mpi_worker"]
+    )
     try:
         (tmp_path / "rank-1.pid").write_text(str(rank.pid))
         deadline = time.monotonic() + 30
@@ -131,30 +136,36 @@ def test_leftover_ranks_are_gone_before_the_launcher_reads_what_they_wrote(tmp_p
 
 @pytest.mark.parametrize("hangs", [True, False])
 def test_an_mpirun_that_outlives_all_its_ranks_is_ended_as_a_failed_launch(hangs, tmp_path):
-    """A stand-in mpirun starts one rank (a Python running ``-m app.strategies._mpi_worker JOB``: here a module of
-    that name that sleeps a second), waits for it, then hangs (as prterun did in CI, "Abort is in progress...hit
-    ctrl-c again") or exits 0. The hung one, and everything in its session, is ended ``outlive`` seconds after the
-    rank, with the launch's code HUNG; one that exits in time is left alone. Not fooled by mpirun's own command line,
-    which holds the same words."""
+    """A stand-in mpirun starts one rank (a Python running ``-m app.strategies.launchers._mpi_worker JOB``: here a
+    module of that name that sleeps a second), waits for it, then hangs (as prterun did in CI, "Abort is in
+    progress...hit ctrl-c again") or exits 0. The hung one, and everything in its session, is ended ``outlive`` seconds
+    after the rank, with the launch's code HUNG; one that exits in time is left alone. Not fooled by mpirun's own
+    command line, which holds the same words."""
     import os
     import sys
     import time
 
-    from app.signals import HUNG, StopSignals
-    from app.strategies._reaper import launch_running
+    from app.launch.signals import HUNG, StopSignals
+    from app.strategies.launchers._reaper import launch_running
 
-    stand_in = tmp_path / "stand_in" / "app" / "strategies"
+    stand_in = tmp_path / "stand_in" / "app" / "strategies" / "launchers"
     stand_in.mkdir(parents=True)
-    for init in (stand_in / "__init__.py", stand_in.parent / "__init__.py"):
+    for init in (stand_in / "__init__.py", stand_in.parent / "__init__.py", stand_in.parents[1] / "__init__.py"):
         init.touch()
     (stand_in / "_mpi_worker.py").write_text("import time\ntime.sleep(1)\n")
     folder = tmp_path / "horovod-launch-x"
     folder.mkdir()
-    rank = f'cd "{stand_in.parents[1]}" && "{sys.executable}" -m app.strategies._mpi_worker "{folder / "job.pkl"}" r'
+    job = folder / "job.pkl"
+    rank = f'cd "{stand_in.parents[2]}" && "{sys.executable}" -m app.strategies.launchers._mpi_worker "{job}" r'
     after = "sleep 600" if hangs else "exit 0"
     script = f"({rank}) & wait; echo $$ > {tmp_path / 'mpirun.pid'}; {after}"
-    mpirun = ["sh", "-c", script, "app.strategies._mpi_worker"]  # its own command line holds the rank's words too
-    env = dict(os.environ, PYTHONPATH=str(stand_in.parents[1]))
+    mpirun = [
+        "sh",
+        "-c",
+        script,
+        "app.strategies.launchers._mpi_worker",
+    ]  # its own command line holds the rank's words too
+    env = dict(os.environ, PYTHONPATH=str(stand_in.parents[2]))
     t0 = time.monotonic()
     with StopSignals() as stops:
         code, signum = stops.run(mpirun, env, list, lambda: None, lambda: launch_running(folder), outlive=2)
@@ -237,13 +248,13 @@ def test_ranks_that_share_the_gpus_of_their_node_still_take_one_each(rank_5_of_8
 )
 def test_the_rendezvous_endpoint_comes_from_the_agents_command_line(args, endpoint):
     """What a cut-off node asks whether it can still reach (app/callbacks/rank_watchdog.py)."""
-    from app.launcher import _rendezvous_endpoint
+    from app.launch.launcher import _rendezvous_endpoint
 
     assert _rendezvous_endpoint(args) == endpoint
 
 
 def test_a_process_that_torchrun_did_not_start_has_no_agent(monkeypatch):
-    from app.launcher import torchrun_agent
+    from app.launch.launcher import torchrun_agent
 
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     assert torchrun_agent() is None

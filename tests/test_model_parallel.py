@@ -361,7 +361,7 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from torch import nn
 
-from app.defaults import last_checkpoint, trainer_defaults
+from app.run.defaults import last_checkpoint, trainer_defaults
 from app.loader import make_loader
 from app.task import TaskSpec
 

@@ -1,4 +1,5 @@
-"""The horovod strategy's reductions (app/reductions.py) against this file's own implementation of Horovod's rules.
+"""The horovod strategy's reductions (app/strategies/reductions.py) against this file's own implementation of Horovod's
+rules.
 
 tests/reduction_run.py trains a small float64 network under mpirun with each reduction and records, on every rank,
 its start weights, the sample ids of its batches and its final weights. The tests here replay those batches on
@@ -14,8 +15,8 @@ import torch
 from torch import nn
 
 from app.errors import UserError
-from app.reductions import adasum, fusion_buckets, segment_index
 from app.strategies import HorovodStrategy
+from app.strategies.reductions import adasum, fusion_buckets, segment_index
 from tests import reduction_run, warm
 from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import CASES, MPI_ENV, MPIRUN, REFERENCE
@@ -187,8 +188,8 @@ def test_the_default_buckets_start_the_first_allreduce_early_in_backward():
     import torchvision
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-    from app.reductions import FUSION_MB, GradientAllreduce
     from app.strategies.horovod import HorovodStrategy
+    from app.strategies.reductions import FUSION_MB, GradientAllreduce
 
     assert HorovodStrategy().fusion_mb == FUSION_MB == 25
     own_group = not dist.is_initialized()
@@ -300,7 +301,7 @@ def test_reduced_gradients_are_bucket_views_and_right_either_way_an_optimizer_ze
     import torch.distributed as dist
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-    from app.reductions import GradientAllreduce
+    from app.strategies.reductions import GradientAllreduce
 
     own_group = not dist.is_initialized()
     if own_group:
@@ -336,7 +337,7 @@ def test_channels_last_gradients_keep_their_parameters_strides(compression):
     import torch.distributed as dist
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-    from app.reductions import GradientAllreduce
+    from app.strategies.reductions import GradientAllreduce
 
     own_group = not dist.is_initialized()
     if own_group:
@@ -402,7 +403,7 @@ def test_bad_input_found_in_the_self_launched_horovod_ranks_is_one_line(tmp_path
 
 
 def test_per_tensor_sums_are_the_tensors_sums():
-    from app.reductions import per_tensor_sums, segment_index
+    from app.strategies.reductions import per_tensor_sums, segment_index
 
     torch.manual_seed(0)
     sizes = [5, 1, 300, 7]

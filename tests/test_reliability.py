@@ -26,7 +26,7 @@ import pytest
 import torch
 import yaml
 
-from app.checkpoint_io import atomic_torch_save, load_checkpoint, safe_torch_load
+from app.checkpoints.io import atomic_torch_save, load_checkpoint, safe_torch_load
 from app.errors import UserError
 from tests import warm
 from tests.atomic_writer import write_forever
@@ -323,7 +323,7 @@ def test_a_resume_on_more_ranks_seeds_each_rank_from_the_seed_the_step_and_its_r
     """One process stopped mid-epoch, resumed on 2 ranks: no rank can draw what the one process would have. Each
     seeds its generators with derived_seed(42, step, rank) at its first batch, compared here with that value, not
     with another resume (which a rank-blind or step-blind seed, or no seeding at all, would equal as well)."""
-    from app.generators import derived_seed
+    from app.checkpoints.generators import derived_seed
 
     record = {"class_path": "tests.record_seed.RecordSeed", "init_args": {"folder": str(tmp_path / "seeds")}}
     folder = tmp_path / "run"
@@ -349,7 +349,7 @@ def test_a_survivors_checkpoint_without_the_lost_ranks_generators_seeds_every_ra
     from types import SimpleNamespace
 
     from app.callbacks.random_state import RandomState
-    from app.generators import derived_seed, generator_states
+    from app.checkpoints.generators import derived_seed, generator_states
 
     saved = {"world_size": 2, "seed": 7, "ranks": {0: generator_states()}}  # rank 1's are missing
     for rank in (0, 1):
@@ -843,7 +843,7 @@ def test_a_checkpoint_damaged_inside_is_refused_naming_the_file(tmp_path):
     """torch keeps no checksum: 4 KiB of 0xff in the middle of a checkpoint loaded, and a resume "diverged". The
     digest written with every checkpoint is checked on load (issue 34, item 13); checkpoints without one (Lightning's
     own, older ones) load as before."""
-    from app.checkpoint_io import CHECKSUM_KEY, SafeCheckpointIO
+    from app.checkpoints.io import CHECKSUM_KEY, SafeCheckpointIO
 
     io = SafeCheckpointIO()
     state = {"state_dict": {"w": torch.randn(256, 256), "step": torch.tensor(7)}, "epoch": 3, "loops": {"a": [1, 2.5]}}
@@ -874,7 +874,7 @@ def test_a_checkpoint_cut_short_or_with_a_flipped_byte_outside_its_tensors_is_na
     with a value changed, depending on the byte; a file cut short got torch's paragraph cut at 100 characters
     ("... This is an interna)") or "OSError: [Errno 22] Invalid argument". Every byte of data.pkl, and cuts at
     several lengths, now say what happened, in whole words, and what to do."""
-    from app.checkpoint_io import SafeCheckpointIO
+    from app.checkpoints.io import SafeCheckpointIO
 
     path = tmp_path / "last.ckpt"
     SafeCheckpointIO().save_checkpoint({"state_dict": {"w": torch.randn(64, 64)}, "epoch": 3, "lr": 0.1}, path)
@@ -904,7 +904,7 @@ def test_a_checkpoint_cut_short_or_with_a_flipped_byte_outside_its_tensors_is_na
 
 def test_a_long_load_error_is_shortened_at_a_word(tmp_path, monkeypatch):
     """What torch says of a file it cannot load, when the checks before it found nothing, is cut at a word."""
-    from app import checkpoint_io
+    from app.checkpoints import io as checkpoint_io
 
     path = tmp_path / "last.ckpt"
     torch.save({"w": torch.ones(3)}, path)

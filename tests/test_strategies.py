@@ -19,8 +19,8 @@ from lightning.fabric.plugins.environments.lightning import find_free_network_po
 from lightning.pytorch import Trainer
 from lightning.pytorch.strategies import StrategyRegistry
 
-from app.checks import NEEDS
 from app.errors import UserError
+from app.run.checks import NEEDS
 from app.strategies import DataParallelStrategy, HorovodStrategy
 from app.strategies.dp import combine_outputs, in_context, split_batch
 from app.strategies.horovod import horovod_available
@@ -363,13 +363,13 @@ def test_dp_on_one_device_is_the_single_device_run(monkeypatch, tmp_path):
     assert all(torch.equal(single[k], one_device_dp[k]) for k in single)
 
 
-# ---------------------------------------------------------- the strategy contract (app/strategies/parallelism.py)
+# ---------------------------------------------------------- the strategy contract (app/parallelism.py)
 def test_each_strategy_states_its_parallelism_or_is_read_as_plain_data_parallel():
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
     from app.loader import devices_per_batch
+    from app.parallelism import FIELDS, DataParallel, parallelism
     from app.strategies import FSDPStrategy, PipelineStrategy
-    from app.strategies.parallelism import FIELDS, DataParallel, parallelism
 
     for cls in (DataParallelStrategy, FSDPStrategy, PipelineStrategy):  # the template's that differ: all four
         assert all(hasattr(cls, name) for name in FIELDS), cls

@@ -374,7 +374,7 @@ def test_the_loopback_check_leaves_single_machine_and_named_interface_runs_alone
     """Nodes that are processes of one machine (MASTER_ADDR loopback, Lightning's default) reach each other over
     loopback, and GLOO_SOCKET_IFNAME is the user's own choice: neither is refused, whatever the host name."""
     from app.errors import UserError
-    from app.host_address import check_reachable
+    from app.launch.host_address import check_reachable
 
     monkeypatch.setattr(socket, "gethostname", lambda: "localhost")  # resolves to loopback only
     for var in ("MASTER_ADDR", "GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):

@@ -65,7 +65,7 @@ import json, os, signal, sys, time
 from lightning.pytorch.strategies.launchers import subprocess_script as launcher
 
 if os.environ.get("RANK_OF_TEST"):
-    print(json.dumps({"warm": "app.cli" in sys.modules, "cwd": os.getcwd(), "argv": sys.argv}), flush=True)
+    print(json.dumps({"warm": "app.run.cli" in sys.modules, "cwd": os.getcwd(), "argv": sys.argv}), flush=True)
     if sys.argv[1] == "sleep":
         open("started", "w").close()
         signal.pause()
@@ -99,7 +99,7 @@ def launch_a_rank(tmp_path, how: str, real_children: bool = False) -> tuple[list
 @pytest.mark.parametrize("real_children", [False, True])
 def test_the_ranks_lightnings_launcher_starts_in_a_warm_run_are_warm_unless_asked(real_children, tmp_path):
     """Lightning's ddp launcher starts ``sys.executable script ARGS`` with ``subprocess.Popen``: in a warm run the
-    rank is forked warm (``app.cli`` already imported) into the folder, arguments and exit status it was given."""
+    rank is forked warm (``app.run.cli`` already imported) into the folder, arguments and exit status it was given."""
     (seen, ended), script = launch_a_rank(tmp_path, "4", real_children)
     assert json.loads(seen) == {"warm": not real_children, "cwd": str(tmp_path / "rank"), "argv": [str(script), "4"]}
     assert ended == "rank exit 4"

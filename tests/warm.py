@@ -2,7 +2,7 @@
 fresh interpreter.
 
 A new interpreter spends about 7 CPU-seconds importing torch and Lightning on the 2-core test machine, more than
-most test runs train. Here a multiprocessing forkserver imports ``app.cli`` once per pytest worker and forks a
+most test runs train. Here a multiprocessing forkserver imports ``app.run.cli`` once per pytest worker and forks a
 process per run from it; the run then looks like ``python cli.py ARGS`` to everything inside it: its own pid,
 working directory, environment, ``sys.argv``, ``__main__``, stdout/stderr files, default signal handlers and exit
 status (``-N`` when killed by signal N, as ``subprocess`` reports it). Lightning's ddp launcher re-executes
@@ -42,7 +42,7 @@ import traceback
 from pathlib import Path
 
 _CONTEXT = multiprocessing.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["app.cli"])
+_CONTEXT.set_forkserver_preload(["app.run.cli"])
 _RUNNING: set["WarmProcess"] = set()
 SERVER_VARIABLE = "TESTS_WARM_CHILDREN_SERVER"  # in a warm run's environment: where its local ranks are forked
 _server: tuple[multiprocessing.Process, str] | None = None
@@ -200,7 +200,7 @@ def _become(argv: list[str], cwd: str, environ: dict) -> None:
 
 def children_server() -> str:
     """The socket of this worker's children server, started on first use: a process forked from the forkserver
-    (``app.cli`` imported, no thread) that forks a warm process per request."""
+    (``app.run.cli`` imported, no thread) that forks a warm process per request."""
     global _server
     if _server is None or not _server[0].is_alive():
         path = os.path.join(tempfile.mkdtemp(prefix="warm-children-"), "socket")

@@ -29,7 +29,7 @@ from typing_extensions import override
 from app.callbacks.preemption import wait_for_local_ranks
 from app.errors import Diverged
 from app.lightning_internals import take_over_local_ranks
-from app.strategies.parallelism import parallelism
+from app.parallelism import parallelism
 from app.task import lr_flag_of
 
 LOSS = "the training loss"  # what training_step returned, whatever the task logs it as

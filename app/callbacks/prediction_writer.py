@@ -28,8 +28,8 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from app.atomic import atomic_write
 from app.callbacks.progress import console_print
+from app.checkpoints.atomic import atomic_write
 from app.task import class_names
 
 LABEL_KEYS = ("label", "labels", "target", "targets", "y")

@@ -11,7 +11,7 @@ This callback replaces it for training:
   one-number all-reduce on a gloo group of its own, issued without waiting and read one batch later, so it never
   stalls the GPU. All ranks therefore stop after the same batch, at most two batches after the signal, in
   training and in validation alike (a container gets 10 s between SIGTERM and SIGKILL, Kubernetes 30 s).
-- Then ``last.ckpt`` is written (atomically: :mod:`app.checkpoint_io`) with the loop and loader state, so
+- Then ``last.ckpt`` is written (atomically: :mod:`app.checkpoints.io`) with the loop and loader state, so
   ``python cli.py fit ... --ckpt_path last`` continues with the next batch, and every rank exits with
   ``128 + signal`` (143 for SIGTERM, 130 for SIGINT). A stop in validation keeps the weights of the last
   training step, and the resumed run validates that epoch again from its first batch.
@@ -36,8 +36,9 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from app.callbacks.progress import console_print, live_bar_console
-from app.elastic import torchrun_restarts_possible
 from app.errors import Preempted
+from app.launch.restarts import torchrun_restarts_possible
+from app.launch.signals import catch_early_signals, take_early_signals
 from app.lightning_internals import (
     fit_loop_of,
     log_step_now,
@@ -46,7 +47,6 @@ from app.lightning_internals import (
     take_over_local_ranks,
     validation_follows,
 )
-from app.signals import catch_early_signals, take_early_signals
 
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
 
@@ -92,7 +92,7 @@ class Preemption(Callback):
     def __setstate__(self, state: dict) -> None:
         # Unpickled in a rank that a launcher started (ddp_spawn's, the horovod self-launch's): a stop signal that
         # comes before the handlers are installed is remembered and acted on then, not the end of the rank (the
-        # launching process passes SIGTERM on as soon as it gets it: app/signals.py).
+        # launching process passes SIGTERM on as soon as it gets it: app/launch/signals.py).
         self.__dict__.update(state)
         if threading.current_thread() is threading.main_thread():
             catch_early_signals(self.signals)

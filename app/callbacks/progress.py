@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from app.launcher import launcher_ranks
+from app.launch.launcher import launcher_ranks
 
 
 def live_bar_console(trainer: Trainer) -> Any:

@@ -34,7 +34,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from app.generators import derived_seed, generator_states, seed_generators, set_generator_states
+from app.checkpoints.generators import derived_seed, generator_states, seed_generators, set_generator_states
 from app.lightning_internals import saves_alone
 
 

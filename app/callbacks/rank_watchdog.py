@@ -45,14 +45,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from typing_extensions import override
 
 from app.callbacks.preemption import Preemption
-from app.elastic import restarts_left
 from app.errors import UserError
-from app.host_address import answers
-from app.launcher import TorchrunAgent, mpi_daemon, torchrun_agent
+from app.launch.host_address import answers
+from app.launch.launcher import TorchrunAgent, mpi_daemon, torchrun_agent
+from app.launch.library_noise import store_warnings_off
+from app.launch.restarts import restarts_left
+from app.launch.signals import process_alive
 from app.lightning_internals import take_over_local_ranks
-from app.quiet import store_warnings_off
-from app.signals import process_alive
-from app.strategies.parallelism import parallelism
+from app.parallelism import parallelism
 
 EXIT_CODE = 1
 DONE = -(1 << 40)  # added to a rank's counter when it finishes

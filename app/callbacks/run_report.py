@@ -37,7 +37,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from typing_extensions import override
 
 from app.callbacks.progress import console_print
-from app.strategies.parallelism import parallelism
+from app.parallelism import parallelism
 from app.task import count_samples, epoch_note, spec_of
 
 _FIELDS = ("samples", "seconds", "steps", "peak_bytes")

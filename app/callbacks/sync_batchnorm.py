@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from app.errors import TemplateWarning, UserError
 from app.lightning_internals import drop_layer_sync
-from app.strategies.parallelism import parallelism
+from app.parallelism import parallelism
 from app.strategies.pipeline import PipelineStrategy
 
 

@@ -37,7 +37,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torchvision.datasets import FashionMNIST
 
-from app.atomic import write_bytes
+from app.checkpoints.atomic import write_bytes
 from app.errors import TemplateWarning
 from app.fashion_mnist import synthetic
 from app.fashion_mnist.idx import DataFileError, parse_idx, read_idx_bytes, write_idx

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from app.atomic import atomic_path
+from app.checkpoints.atomic import atomic_path
 from app.errors import UserError
 from app.fashion_mnist.data import CLASSES, MEAN, STD
 from app.fashion_mnist.model import check_weights_fit, load_checkpoint, network_state_dict, saved_network

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from app.atomic import write_bytes
+from app.checkpoints.atomic import write_bytes
 from app.errors import UserError
 
 UBYTE = 0x08

@@ -21,7 +21,7 @@ from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
 from typing_extensions import override
 
-from app.checkpoint_io import check_weights_fit, load_checkpoint
+from app.checkpoints.io import check_weights_fit, load_checkpoint
 from app.errors import UserError
 from app.fashion_mnist.networks import Arch, Norm, build_resnet
 from app.task import TaskSpec, step_value_read

@@ -37,7 +37,7 @@ from torch.nn.parallel.scatter_gather import scatter
 from typing_extensions import override
 
 from app.errors import UserError
-from app.launcher import mpi_world_size
+from app.launch.launcher import mpi_world_size
 
 
 class DataParallelStrategy(ParallelStrategy):
@@ -83,7 +83,7 @@ class DataParallelStrategy(ParallelStrategy):
     def is_global_zero(self) -> bool:
         return True
 
-    # ---------------------------------------------------------------- its Parallelism (app/strategies/parallelism.py)
+    # ---------------------------------------------------------------- its Parallelism (app/parallelism.py)
     @property
     def devices_per_process(self) -> int:
         """The data module loads this many devices' batches per step (``--data.batch_size`` is per device)."""

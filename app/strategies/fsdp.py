@@ -44,7 +44,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from app.errors import UserError
-from app.strategies.split import SplitModelStrategy
+from app.strategies.model_parallel import SplitModelStrategy
 from app.task import match_modules, spec_of
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
@@ -156,7 +156,7 @@ class FSDPStrategy(SplitModelStrategy):
             cast_forward_inputs=True,
         )
 
-    # ---------------------------------------------------------------- its Parallelism (app/strategies/parallelism.py)
+    # ---------------------------------------------------------------- its Parallelism (app/parallelism.py)
     devices_per_process = 1
     stages = 1
 

@@ -23,7 +23,7 @@ Horovod semantics, on both backends:
   allreduce starts during backward as soon as the bucket is complete, all waited for before ``optimizer.step()``;
 - ``op`` (``average``, ``sum``, or ``adasum`` of the local optimizer steps), ``compression`` (``none``, ``fp16``,
   ``bf16``: what travels is 16 bits wide) and ``gradient_predivide_factor`` (divide by f before the sum and by
-  size/f after) mean what they mean in Horovod; the reductions live in :mod:`app.reductions`;
+  size/f after) mean what they mean in Horovod; the reductions live in :mod:`app.strategies.reductions`;
 - with ``accumulate_grad_batches=k``, gradients are communicated once per optimizer step, not every batch;
 - ``barrier()`` is a real barrier; ``reduce``/``all_gather``/``broadcast`` serve metrics and logging;
 - the learning rate is NOT scaled by the number of ranks behind your back (Lightning 1.x did that); scale it
@@ -48,8 +48,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from app.errors import UserError
-from app.launcher import launcher_ranks, one_gpu_per_rank
-from app.reductions import (
+from app.launch.launcher import launcher_ranks, one_gpu_per_rank
+from app.strategies.launchers.mpirun import MPILaunchEnvironment, MPIRunLauncher
+from app.strategies.reductions import (
     FUSION_MB,
     WIRE_DTYPES,
     AdasumDelta,
@@ -58,7 +59,6 @@ from app.reductions import (
     ReduceOp,
     is_power_of_two,
 )
-from app.strategies.mpirun import MPILaunchEnvironment, MPIRunLauncher
 
 Backend = Literal["auto", "horovod", "mpi"]
 
@@ -274,8 +274,8 @@ class HorovodStrategy(ParallelStrategy):
                 timeout=timedelta(seconds=self.timeout),
                 device_id=self.root_device if backend == "nccl" else None,
             )
-            # The group outlives fit (on_fit_end callbacks may still all_gather); app.process_group destroys it at
-            # exit.
+            # The group outlives fit (on_fit_end callbacks may still all_gather); app.launch.process_group destroys it
+            # at exit.
         if self.world_size == 1:  # a group of one (e.g. a restart on one surviving rank): nothing to accumulate
             warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True")
         rank_zero_info(

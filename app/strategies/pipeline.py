@@ -53,7 +53,7 @@ from typing_extensions import override
 
 from app.errors import UserError
 from app.strategies.dp import batch_len, combine_outputs, split_batch
-from app.strategies.split import SplitModelStrategy
+from app.strategies.model_parallel import SplitModelStrategy
 from app.task import spec_of
 
 Schedule = Literal["gpipe", "1f1b"]
@@ -129,7 +129,7 @@ class PipelineStrategy(SplitModelStrategy):
         self._example_input = None  # the module's example_input_array, put back after the run
 
     # ---------------------------------------------------------------- the layout: stages x replicas, its Parallelism
-    devices_per_process = 1  # (app/strategies/parallelism.py)
+    devices_per_process = 1  # (app/parallelism.py)
 
     @property
     def stages(self) -> int:

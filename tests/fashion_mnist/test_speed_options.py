@@ -22,9 +22,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from app.callbacks import ProgressBar, RichModelSummary, RunReport
 from app.callbacks.run_report import _intervals_ms
-from app.defaults import DEFAULT_CALLBACKS
 from app.fashion_mnist.data import FashionMNISTDataModule
 from app.fashion_mnist.model import ImageClassifier
+from app.run.defaults import DEFAULT_CALLBACKS
 from bench.__main__ import bench_runs, flops_per_image
 from tests.conftest import CPU_TEST_CONFIG
 from tests.fashion_mnist.conftest import run_cli

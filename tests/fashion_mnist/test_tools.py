@@ -18,7 +18,7 @@ from app.fashion_mnist.export import load_exported
 from app.fashion_mnist.idx import read_idx
 from app.fashion_mnist.model import ImageClassifier, load_network
 from app.fashion_mnist.networks import build_resnet
-from app.plot import epoch_metrics
+from app.run.plot import epoch_metrics
 from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT
 from tests.fashion_mnist.conftest import SYSTEM_COPY, needs_system_copy, run_cli
@@ -63,7 +63,7 @@ def test_plot_draws_loss_accuracy_and_speed_of_a_real_run(run_dir, tmp_path):
 
 def test_plot_reads_as_a_person_expects(run_dir):
     """Whole-epoch ticks, the per-step loss under the epoch losses, speed from 0, and the data named in the title."""
-    from app.plot import figure, step_losses
+    from app.run.plot import figure, step_losses
 
     fig = figure(run_dir)
     loss_ax, acc_ax, speed_ax = fig.axes
@@ -87,7 +87,7 @@ def test_plot_draws_the_test_score_of_a_checkpoint_of_the_run(run_dir, data_dir,
     run's own folder has no curve: ``plot`` of it is one line naming the run to plot (it drew two dots, exit 0)."""
     import shutil
 
-    from app.plot import figure
+    from app.run.plot import figure
 
     run = tmp_path / "lightning_logs" / "version_0"
     shutil.copytree(run_dir, run)

@@ -11,7 +11,7 @@ from typing_extensions import override
 from app.callbacks.elastic.failure import SaveOnFailure
 from app.callbacks.elastic.metrics import MetricsContinuation
 from app.callbacks.elastic.world_size import WorldSizeChange
-from app.elastic import is_restart, restarts_possible
+from app.launch.restarts import is_restart, restarts_possible
 
 
 class Elastic(Callback):

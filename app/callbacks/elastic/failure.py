@@ -25,9 +25,10 @@ from pathlib import Path
 from app.callbacks.elastic.metrics import MetricsContinuation
 from app.callbacks.progress import console_print
 from app.callbacks.rank_watchdog import REJOIN, RankWatchdog
-from app.checkpoint_io import SafeCheckpointIO, saved_at_step
-from app.elastic import restarts_left
+from app.checkpoints.io import SafeCheckpointIO, saved_at_step
+from app.checkpoints.saved_state import report_saved_state, saved_state_announcer
 from app.errors import UserError
+from app.launch.restarts import restarts_left
 from app.lightning_internals import (
     fit_loop_state,
     put_fit_loop_state,
@@ -37,8 +38,7 @@ from app.lightning_internals import (
     step_row,
     validation_follows,
 )
-from app.strategies.parallelism import parallelism
-from app.strategies.saved_state import report_saved_state, saved_state_announcer
+from app.parallelism import parallelism
 
 
 def say(trainer, message: str) -> None:

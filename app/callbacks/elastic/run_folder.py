@@ -9,16 +9,16 @@ from lightning.pytorch import Callback
 from typing_extensions import override
 
 from app.callbacks.elastic.callback import Elastic
-from app.elastic import MARKER, TorchrunJob, agent_id, mark_run, run_shape
 from app.errors import UserError
+from app.launch.restarts import MARKER, TorchrunJob, agent_id, mark_run, run_shape
 
 
 class ElasticRunFolder(Callback):
     """The run folder of a torchrun job with ``--max-restarts`` > 0; the CLI adds it (it is not one to leave out).
 
     Every rank decides, before the process group exists, whether its start continues an unfinished run of the job
-    (:func:`app.elastic.run_of`). Rank 0 marks a new run's folder only here, once the process group has formed, so
-    no rank can find the mark of its own start and take it for an earlier one. The ranks then check that they
+    (:func:`app.launch.restarts.run_of`). Rank 0 marks a new run's folder only here, once the process group has formed,
+    so no rank can find the mark of its own start and take it for an earlier one. The ranks then check that they
     decided alike: a root that the nodes do not share would otherwise have them issue different collectives.
     """
 

@@ -18,12 +18,12 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from app.atomic import write_text
-from app.elastic import is_restart
+from app.checkpoints.atomic import write_text
 from app.errors import TemplateWarning, UserError
+from app.launch.restarts import is_restart
 from app.lightning_internals import batch_count, shift_batch_count
 from app.loader import ResumableLoader, data_parallel_size, devices_per_batch
-from app.strategies.parallelism import parallelism
+from app.parallelism import parallelism
 
 # Settings Lightning counts in batches per process (when given as a whole number)
 BATCH_COUNTS = ("limit_train_batches", "limit_val_batches", "val_check_interval")

@@ -2,7 +2,7 @@
 runs built in Python with ``lightning.Trainer``::
 
     from lightning.pytorch import Trainer, seed_everything
-    from app.defaults import last_checkpoint, trainer_defaults
+    from app.run.defaults import last_checkpoint, trainer_defaults
 
     if __name__ == "__main__":  # ddp_spawn and the horovod self-launch import this script in new processes
         seed_everything(42)
@@ -28,11 +28,11 @@ from jsonargparse import Namespace
 from lightning.pytorch.loggers import CSVLogger
 
 from app.callbacks import RankWatchdog
-from app.checkpoint_io import SafeCheckpointIO
+from app.checkpoints.io import SafeCheckpointIO
+from app.checkpoints.run_folders import claim_versions
 from app.errors import UserError
-from app.loggers import TensorBoardLogger
-from app.resume import newest_last_ckpt
-from app.run_dir import claim_versions
+from app.run.loggers import TensorBoardLogger
+from app.run.resume import newest_last_ckpt
 from app.task import DEFAULT_SPEC, TaskSpec, import_class, spec_of
 
 __all__ = ["default_callbacks", "default_loggers", "last_checkpoint", "trainer_defaults"]
@@ -76,7 +76,7 @@ def trainer_defaults(
         claim_versions(configs)
         kinds = {
             "lightning.pytorch.loggers.CSVLogger": CSVLogger,
-            "app.loggers.TensorBoardLogger": TensorBoardLogger,
+            "app.run.loggers.TensorBoardLogger": TensorBoardLogger,
         }
         kwargs["logger"] = [kinds[c.class_path](**vars(c.init_args)) for c in configs]
     return kwargs
@@ -160,7 +160,7 @@ def default_callbacks(trainer_config: dict, own: list, drop: list[str], spec: Ta
 
 
 def default_loggers(save_dir: str = ".") -> list[dict]:
-    """CSV always (metrics.csv); TensorBoard too when it is installed (:mod:`app.loggers`: accuracy and loss first).
+    """CSV always (metrics.csv); TensorBoard too when it is installed (:mod:`app.run.loggers`: accuracy and loss first).
     Both write to lightning_logs/version_N."""
     csv = {"save_dir": save_dir, "name": "lightning_logs"}
     loggers = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": csv}]
@@ -169,4 +169,4 @@ def default_loggers(save_dir: str = ".") -> list[dict]:
     except ImportError:
         return loggers
     tb = {"save_dir": save_dir, "name": "lightning_logs", "default_hp_metric": False}
-    return loggers + [{"class_path": "app.loggers.TensorBoardLogger", "init_args": tb}]
+    return loggers + [{"class_path": "app.run.loggers.TensorBoardLogger", "init_args": tb}]

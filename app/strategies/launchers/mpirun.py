@@ -1,5 +1,5 @@
 """The MPI launcher: who started us under mpirun, where ranks meet, and how the horovod strategy starts itself under
-mpirun. (Which launcher started a process, any launcher, is app/launcher.py's question.)
+mpirun. (Which launcher started a process, any launcher, is app/launch/launcher.py's question.)
 
 Horovod users start jobs with ``horovodrun -np 4 ...`` or ``mpirun -np 4 ...``; every rank is then a process that
 MPI started. This module reads ranks from mpi4py when it is installed, else from the variables that the common
@@ -28,15 +28,15 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
-from app.atomic import atomic_write
-from app.elastic import MPI_RESTART, MPI_RESTARTS_LEFT, keep_metrics_for_restart
+from app.checkpoints.atomic import atomic_write
+from app.checkpoints.generators import generator_states
+from app.checkpoints.saved_state import MPI_LAUNCH_DIR, SAVED_STATE, saved_states
 from app.errors import Diverged, Preempted, UserError
-from app.generators import generator_states
-from app.launcher import launcher_ranks
+from app.launch.launcher import launcher_ranks
+from app.launch.restarts import MPI_RESTART, MPI_RESTARTS_LEFT, keep_metrics_for_restart
+from app.launch.signals import HUNG, StopSignals, process_alive
 from app.lightning_internals import ResultsLauncher, resume_from
-from app.signals import HUNG, StopSignals, process_alive
-from app.strategies._reaper import kill_ranks, launch_running, rank_pids
-from app.strategies.saved_state import MPI_LAUNCH_DIR, SAVED_STATE, saved_states
+from app.strategies.launchers._reaper import kill_ranks, launch_running, rank_pids
 
 
 class MPILaunchEnvironment(ClusterEnvironment):
@@ -48,8 +48,8 @@ class MPILaunchEnvironment(ClusterEnvironment):
     Why not a subclass of Lightning's ``MPIEnvironment``: its ``__init__`` refuses to run without mpi4py, its
     ``detect`` initialises MPI to ask the world size, and its local and node ranks come from a gather of every rank's
     host name, a collective at first use. This one reads the ranks the launcher already put in the environment (Open
-    MPI's, PMI's, SLURM's: :func:`app.launcher.launcher_ranks`), before and without MPI, and needs mpi4py only for
-    the rendezvous address, with a fallback. A subclass would override every method it inherits and still carry the
+    MPI's, PMI's, SLURM's: :func:`app.launch.launcher.launcher_ranks`), before and without MPI, and needs mpi4py only
+    for the rendezvous address, with a fallback. A subclass would override every method it inherits and still carry the
     mpi4py requirement of its ``__init__``.
     """
 
@@ -178,9 +178,9 @@ class MPIRunLauncher(ResultsLauncher):
     """Runs the trainer's function in ``mpirun -np N`` ranks and brings rank 0's results back, like ddp_spawn.
 
     The function, its arguments and the trainer are pickled to a private temporary folder (as ``mp.spawn`` pickles
-    them into its pipes); each rank unpickles and runs them in :mod:`app.strategies._mpi_worker`. Before that, each
-    rank imports the caller's main script or module as ``__mp_main__``, as multiprocessing's spawn does, so a model,
-    data module or callback defined in the user's own script unpickles. Rank 0 writes the trained weights, the
+    them into its pipes); each rank unpickles and runs them in :mod:`app.strategies.launchers._mpi_worker`. Before that,
+    each rank imports the caller's main script or module as ``__mp_main__``, as multiprocessing's spawn does, so a
+    model, data module or callback defined in the user's own script unpickles. Rank 0 writes the trained weights, the
     trainer state and the callback metrics back, and they are loaded into the caller's objects: after
     ``Trainer(strategy="horovod", devices=2).fit(model)``, ``model`` holds the trained weights.
 
@@ -190,9 +190,9 @@ class MPIRunLauncher(ResultsLauncher):
     mpirun and its restart starts none. mpirun runs in a session of its own, so Ctrl-C in a terminal reaches this
     process only: mpirun would otherwise abort the job ("hit ctrl-c again to forcibly terminate") and drop the ranks'
     last lines. A rank that outlives its mpirun (stopped, so deaf to SIGTERM) is SIGKILLed, and gone before the
-    survivors' reports of their saves are read (:func:`app.strategies.saved_state.saved_states`). If this process dies,
-    mpirun gets SIGTERM from the kernel and ends the ranks, and a reaper (:mod:`app.strategies._reaper`) removes the
-    temporary folder, which holds the pickled job.
+    survivors' reports of their saves are read (:func:`app.checkpoints.saved_state.saved_states`). If this process dies,
+    mpirun gets SIGTERM from the kernel and ends the ranks, and a reaper (:mod:`app.strategies.launchers._reaper`)
+    removes the temporary folder, which holds the pickled job.
     """
 
     def __init__(self, strategy) -> None:
@@ -278,7 +278,7 @@ class MPIRunLauncher(ResultsLauncher):
         for name in ("TTY_COMPATIBLE", "TTY_INTERACTIVE", "APP_LAUNCHER_PID", MPI_RESTARTS_LEFT, MPI_RESTART):
             if name in env:  # mpirun warns about a name it cannot find
                 cmd += ["-x", name]
-        cmd += ["-x", MPI_LAUNCH_DIR, sys.executable, "-m", "app.strategies._mpi_worker", str(job)]
+        cmd += ["-x", MPI_LAUNCH_DIR, sys.executable, "-m", "app.strategies.launchers._mpi_worker", str(job)]
         cmd.append(str(workdir / "result.pkl"))
         returncode, signum = stops.run(
             cmd,
@@ -303,7 +303,7 @@ class MPIRunLauncher(ResultsLauncher):
         folder. Returns the launched function's arguments with that checkpoint."""
         from lightning.pytorch.cli import SaveConfigCallback  # jsonargparse: imported only when needed
 
-        from app.reductions import is_power_of_two
+        from app.strategies.reductions import is_power_of_two
 
         strategy = self._strategy
         saved = saved_states(workdir)  # no rank runs any more (end_leftover_ranks): what is in place stays so
@@ -394,7 +394,7 @@ def main_module_preparation() -> dict:
 
 
 def start_reaper(workdir: Path) -> subprocess.Popen:
-    """:mod:`app.strategies._reaper`, watching this process through a pipe only this process holds."""
+    """:mod:`app.strategies.launchers._reaper`, watching this process through a pipe only this process holds."""
     script = Path(__file__).with_name("_reaper.py")
     return subprocess.Popen(
         [sys.executable, str(script), str(workdir)],
@@ -419,5 +419,5 @@ def end_leftover_ranks(workdir: Path) -> None:
     write into the run folder while a restart trains there, or after the launcher said no state was saved. It does
     wake: mpirun's exit leaves the ranks' process group orphaned, and the kernel sends a stopped member SIGHUP and
     SIGCONT. It may then save the state before the SIGKILL lands, and be killed at any moment of that save: the
-    launcher reads the ranks' reports only once they are gone (:func:`app.strategies.saved_state.saved_states`)."""
+    launcher reads the ranks' reports only once they are gone (:func:`app.checkpoints.saved_state.saved_states`)."""
     kill_ranks(workdir)

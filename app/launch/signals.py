@@ -2,7 +2,7 @@
 still starting keeps them for :class:`~app.callbacks.Preemption`.
 
 - ``ddp_spawn``: :func:`pass_sigterm_to_spawned_ranks` and :func:`stopped_exit_code`, below.
-- The horovod strategy's self-launch under ``mpirun`` (app/strategies/mpirun.py): :class:`StopSignals` notes
+- The horovod strategy's self-launch under ``mpirun`` (app/strategies/launchers/mpirun.py): :class:`StopSignals` notes
   SIGTERM/SIGINT for the whole launch and passes them on to the ranks as they appear.
 - A rank started by a launcher: :func:`catch_early_signals` from its first line, and :func:`take_early_signals` when
   Preemption installs its handlers.
@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-from app.launcher import proc_stat
+from app.launch.launcher import proc_stat
 from app.lightning_internals import spawned_ranks_launcher
 
 # ------------------------------------------------------------------------------------------------ ddp_spawn's launcher

@@ -16,9 +16,9 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 
-from app.arguments import Parser
 from app.errors import UserError
-from app.launcher import mpi_world_size
+from app.launch.launcher import mpi_world_size
+from app.run.arguments import Parser
 from app.task import import_class
 
 # The template's strategies, in the order of the README's table; every other registered name is Lightning's.

@@ -53,7 +53,7 @@ def atomic_torch_save(
 
     ``announce``: called with the temporary file as soon as it exists, before anything is written to it; it returns
     what takes the announcement back. Whoever reads the announcement may then tell a save in place from one cut short
-    by a kill (:func:`app.strategies.saved_state.saved_states`): the temporary file leaves only by its rename onto
+    by a kill (:func:`app.checkpoints.saved_state.saved_states`): the temporary file leaves only by its rename onto
     ``path``, or, when the save fails, after the announcement was taken back.
 
     ``unless``: asked once the file is written, just before it replaces ``path``; when it says True, ``path`` is left

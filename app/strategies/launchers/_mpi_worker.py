@@ -1,4 +1,4 @@
-"""Entry point of each rank started by :class:`app.strategies.mpirun.MPIRunLauncher` (not for direct use)."""
+"""Entry point of each rank started by :class:`app.strategies.launchers.mpirun.MPIRunLauncher` (not for direct use)."""
 
 import multiprocessing.spawn
 import os
@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import app  # noqa: F401  (registers the strategies before anything is unpickled)
-from app.atomic import write_text
+from app.checkpoints.atomic import write_text
+from app.checkpoints.generators import set_generator_states
 from app.errors import Diverged, Preempted, UserError
-from app.generators import set_generator_states
-from app.launcher import launcher_ranks
-from app.signals import catch_early_signals, process_alive
-from app.strategies.mpirun import DIVERGED, PREEMPTED, USER_ERROR
+from app.launch.launcher import launcher_ranks
+from app.launch.signals import catch_early_signals, process_alive
+from app.strategies.launchers.mpirun import DIVERGED, PREEMPTED, USER_ERROR
 
 
 def main(job_path: str, result_path: str) -> None:

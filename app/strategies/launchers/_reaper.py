@@ -1,11 +1,12 @@
 """Cleans up after a horovod self-launch whose launcher is gone (run as a script, not for direct use).
 
-:class:`app.strategies.mpirun.MPIRunLauncher` starts this next to mpirun, in a session of its own, with a pipe on its
-standard input that only the launcher holds. The pipe reaches end-of-file when the launcher exits, however it exits
-(SIGKILL included). A launcher that finished has removed its launch folder already, and this does nothing. Otherwise
-mpirun got SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and passes it to the ranks, which stop with a checkpoint: this
-waits for them (up to ``GRACE`` seconds), SIGKILLs any left (a rank stopped with SIGSTOP ignores SIGTERM), and removes
-the folder, which holds the pickled job. It imports nothing of the template (no torch): it sleeps for the whole run.
+:class:`app.strategies.launchers.mpirun.MPIRunLauncher` starts this next to mpirun, in a session of its own, with a pipe
+on its standard input that only the launcher holds. The pipe reaches end-of-file when the launcher exits, however it
+exits (SIGKILL included). A launcher that finished has removed its launch folder already, and this does nothing.
+Otherwise mpirun got SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and passes it to the ranks, which stop with a
+checkpoint: this waits for them (up to ``GRACE`` seconds), SIGKILLs any left (a rank stopped with SIGSTOP ignores
+SIGTERM), and removes the folder, which holds the pickled job. It imports nothing of the template (no torch): it sleeps
+for the whole run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 GRACE = 60.0  # seconds the ranks get to stop with their checkpoint after the launcher died
-WORKER = b"app.strategies._mpi_worker"  # the rank program's module, in each rank's command line
+WORKER = b"app.strategies.launchers._mpi_worker"  # the rank program's module, in each rank's command line
 
 
 def alive(pid: int) -> bool:
@@ -49,8 +50,8 @@ def rank_pids(folder: Path) -> list[int]:
 
 def launch_running(folder: Path) -> bool:
     """Whether any rank of the launch in ``folder`` runs, whether or not it has written its pid yet: a Python running
-    the rank program (``python -m app.strategies._mpi_worker JOB RESULT``) on the launch's job file, which lies in
-    ``folder``. (mpirun's own command line holds the same words, after its options.)"""
+    the rank program (``python -m app.strategies.launchers._mpi_worker JOB RESULT``) on the launch's job file, which
+    lies in ``folder``. (mpirun's own command line holds the same words, after its options.)"""
     job = str(folder / "job.pkl").encode()
     for entry in os.listdir("/proc"):
         if not entry.isdigit():

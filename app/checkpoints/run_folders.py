@@ -21,7 +21,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.errors import UserError
-from app.launcher import is_first_process
+from app.launch.launcher import is_first_process
 
 VERSION_ENV = "TEMPLATE_RUN_VERSION"  # the claimed N, for the ranks a launcher starts after the claim
 # Columns of metrics.csv that say nothing of the training itself: a run that logged only these (the learning-rate

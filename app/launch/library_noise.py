@@ -49,8 +49,9 @@ def install() -> None:
     warnings.filterwarnings(
         "ignore", message=r"The dirpath has changed from", module=r"lightning\.pytorch\.callbacks\.model_checkpoint"
     )
-    # Every run gets a version folder of its own (app/run_dir.py); the one folder a logger finds non-empty is that of
-    # an elastic restart continuing its run, whose metrics.csv was moved aside first and is written back in full.
+    # Every run gets a version folder of its own (app/checkpoints/run_folders.py); the one folder a logger finds
+    # non-empty is that of an elastic restart continuing its run, whose metrics.csv was moved aside first and is written
+    # back in full.
     warnings.filterwarnings(
         "ignore", message=r"Experiment logs directory .* exists and is not empty",
         module=r"lightning\.fabric\.loggers\.csv_logs",

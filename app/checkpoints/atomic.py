@@ -4,7 +4,7 @@ the new one, never a part of one, whatever kills the writer.
 Each writer writes a temporary file beside the target (hidden, a name of its own, so ranks writing the same target
 never share one) and renames it onto the target once it is complete and on disk; an error on the way removes the
 temporary file and leaves the target as it was. Checkpoints add a disk-full message and a survivor's announcement
-of its save: :func:`app.checkpoint_io.atomic_torch_save`.
+of its save: :func:`app.checkpoints.io.atomic_torch_save`.
 """
 
 from __future__ import annotations

@@ -11,13 +11,13 @@ from pathlib import Path
 import yaml
 from lightning.pytorch.utilities import rank_zero_info
 
-from app.arguments import strategy_options_by_name, timeout_in_seconds
-from app.checkpoint_io import check_compatible, load_checkpoint, saved_class
-from app.checks import init_parameters
+from app.checkpoints.io import check_compatible, load_checkpoint, saved_class
+from app.checkpoints.run_folders import folder_logger_root
 from app.errors import UserError
-from app.launcher import torchrun_job
+from app.launch.launcher import torchrun_job
 from app.lightning_internals import epochs_done
-from app.run_dir import folder_logger_root
+from app.run.arguments import strategy_options_by_name, timeout_in_seconds
+from app.run.checks import init_parameters
 from app.task import import_class, spec_of
 
 
@@ -223,7 +223,7 @@ def best_checkpoint_of(last: Path, load=load_checkpoint) -> Path | None:
 
 
 class CkptPathRule:
-    """The ``--ckpt_path`` rule, as steps of :class:`app.cli.CLI` (a LightningCLI): the checkpoint's settings taken
+    """The ``--ckpt_path`` rule, as steps of :class:`app.run.cli.CLI` (a LightningCLI): the checkpoint's settings taken
     into the parsed config before the classes are built (:meth:`_parse_ckpt_path`, LightningCLI's own step), then
     ``last``/``best`` resolved and the weights checked against the built model before any work
     (:meth:`_check_ckpt_path`). The file is resolved once and read once."""

@@ -24,9 +24,9 @@ from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from app.atomic import write_text
+from app.checkpoints.atomic import write_text
 from app.errors import UserError
-from app.launcher import TorchrunJob, torchrun_job
+from app.launch.launcher import TorchrunJob, torchrun_job
 
 MARKER = "elastic.json"
 METRICS_BEFORE_RESTART = "metrics.before-restart.csv"
@@ -199,8 +199,8 @@ def continue_run_folder(loggers: list, job: TorchrunJob) -> tuple[dict[Path, int
     Returns the logger roots with the version they go on writing, the ``last.ckpt`` to resume from (None: start
     fresh) and the name this start's config file gets beside the first start's ``config.yaml``. Exits 0 with one
     line when the job's run had already finished (a worker failed after training, e.g. at exit)."""
-    from app.launcher import is_first_process
-    from app.run_dir import folder_logger_root
+    from app.checkpoints.run_folders import folder_logger_root
+    from app.launch.launcher import is_first_process
 
     continued: dict[Path, int] = {}
     ckpt, config_name = None, None

@@ -1,11 +1,12 @@
-"""What a surviving rank tells the horovod strategy's mpirun launcher (app/strategies/mpirun.py) about its save.
+"""What a surviving rank tells the horovod strategy's mpirun launcher (app/strategies/launchers/mpirun.py) about its
+save.
 
 The launcher gives each rank a private folder (``TEMPLATE_MPI_LAUNCH_DIR``). A rank that survives a failure and saves
 the state of the last completed step writes there ``saved-state-RANK``, naming the checkpoint; the launcher reads the
 reports once no rank runs any more (:func:`saved_states`) and restarts the ranks from a save that is in place. The
 report is written when the save's temporary file exists (:func:`saved_state_announcer`), so a rank killed at any
 moment of its save leaves a report the launcher reads right. torchrun needs none of this: its restarts find
-``last.ckpt`` in the run folder (app/elastic.py).
+``last.ckpt`` in the run folder (app/launch/restarts.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from app.atomic import write_text
+from app.checkpoints.atomic import write_text
 
 MPI_LAUNCH_DIR = "TEMPLATE_MPI_LAUNCH_DIR"  # the launcher's private folder, where survivors report their state
 SAVED_STATE = "saved-state"  # a survivor's report: the file ``saved-state-RANK`` names the checkpoint it saves
@@ -33,7 +34,7 @@ def report_saved_state(rank: int, path: str, pending: Path | None = None) -> Non
 
 def saved_state_announcer(rank: int, path: str) -> Callable[[Path], Callable[[], None]] | None:
     """Under the horovod strategy's launcher (which started this rank): what tells it that this rank saves the state
-    of the last completed step to ``path``, for :func:`app.checkpoint_io.atomic_torch_save`'s ``announce``; None
+    of the last completed step to ``path``, for :func:`app.checkpoints.io.atomic_torch_save`'s ``announce``; None
     elsewhere.
 
     The report is written as soon as the save's temporary file exists, and names it: from then on the temporary file

@@ -1,10 +1,11 @@
 """The command line: a thin LightningCLI with the template's defaults, and one-line errors for bad input.
 
-What it is made of, one concept a module: :mod:`app.arguments` (parsing and its one-line errors),
-:mod:`app.checks` (settings and the task's classes, checked before anything runs), :mod:`app.defaults` (the
-callbacks and loggers every run gets), :mod:`app.resume` (the ``--ckpt_path`` rule), :mod:`app.run_dir` (one
-``version_N`` per run) and :mod:`app.elastic` (a torchrun restart goes on in its run's folder). This module wires
-them into LightningCLI's steps and turns their errors into ``error: ...`` lines with exit code 2.
+What it is made of, one concept a module: :mod:`app.run.arguments` (parsing and its one-line errors),
+:mod:`app.run.checks` (settings and the task's classes, checked before anything runs), :mod:`app.run.defaults` (the
+callbacks and loggers every run gets), :mod:`app.run.resume` (the ``--ckpt_path`` rule),
+:mod:`app.checkpoints.run_folders` (one ``version_N`` per run) and :mod:`app.launch.restarts` (a torchrun restart goes
+on in its run's folder). This module wires them into LightningCLI's steps and turns their errors into ``error: ...``
+lines with exit code 2.
 """
 
 from __future__ import annotations
@@ -25,7 +26,20 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 import app  # noqa: F401  (registers the dp and horovod strategies)
-from app.arguments import (
+from app.callbacks import RankWatchdog
+from app.callbacks.elastic import ElasticRunFolder
+from app.checkpoints.io import SafeCheckpointIO
+from app.checkpoints.run_folders import check_writable, claim_versions, release_if_unused, release_made_folders
+from app.errors import TemplateWarning, UserError
+from app.launch.host_address import check_reachable
+from app.launch.launcher import first_on_node, is_first_process, launcher_ranks, one_gpu_per_rank, torchrun_job
+from app.launch.library_noise import HeldRecords
+from app.launch.restarts import (
+    continue_run_folder,
+    take_launcher_numbers,
+)
+from app.launch.signals import pass_sigterm_to_spawned_ranks, stopped_exit_code
+from app.run.arguments import (
     Parser,
     check_config_files,
     check_timeout,
@@ -33,10 +47,7 @@ from app.arguments import (
     strategy_options_by_name,
     timeout_in_seconds,
 )
-from app.callbacks import RankWatchdog
-from app.callbacks.elastic import ElasticRunFolder
-from app.checkpoint_io import SafeCheckpointIO
-from app.checks import (
+from app.run.checks import (
     check_class_imports,
     check_devices,
     check_strategy_name,
@@ -46,27 +57,17 @@ from app.checks import (
     task_classes,
     trainer_setting_error,
 )
-from app.defaults import DEFAULT_CALLBACK_NAMES, default_callbacks, default_loggers
-from app.elastic import (
-    continue_run_folder,
-    take_launcher_numbers,
-)
-from app.errors import TemplateWarning, UserError
-from app.host_address import check_reachable
-from app.launcher import first_on_node, is_first_process, launcher_ranks, one_gpu_per_rank, torchrun_job
-from app.quiet import HeldRecords
-from app.resume import (
+from app.run.defaults import DEFAULT_CALLBACK_NAMES, default_callbacks, default_loggers
+from app.run.resume import (
     CkptPathRule,
     check_loggerless_root,
 )
-from app.run_dir import check_writable, claim_versions, release_if_unused, release_made_folders
-from app.signals import pass_sigterm_to_spawned_ranks, stopped_exit_code
 from app.strategies.horovod import HorovodStrategy
 from app.task import spec_of
 
 # Subcommands that are not Lightning's: name -> (module with a main(argv), what --help says of it). The machinery's
 # own; cli.py adds its task's (the example's export) through main(tools=...).
-TOOLS = {"plot": ("app.plot", "'cli.py plot lightning_logs/version_N' draws a run's curves to a PNG")}
+TOOLS = {"plot": ("app.run.plot", "'cli.py plot lightning_logs/version_N' draws a run's curves to a PNG")}
 
 
 def tools_epilog(tools: dict[str, tuple[str, str]]) -> str:
@@ -262,7 +263,7 @@ class CLI(CkptPathRule, LightningCLI):
 
 
 def _rank_has_own_gpu(trainer_config, per_node: int, devices_given: bool) -> bool:
-    """Under mpirun with a GPU bound to each rank (:func:`app.launcher.one_gpu_per_rank`), the horovod strategy
+    """Under mpirun with a GPU bound to each rank (:func:`app.launch.launcher.one_gpu_per_rank`), the horovod strategy
     trains each rank on the one GPU it sees: ``--trainer.devices`` (the processes per node, or not given) becomes 1
     in this process, since Lightning checks it against the GPUs visible here."""
     cls = strategy_class(trainer_config.strategy)

@@ -18,7 +18,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from app.atomic import atomic_path
+from app.checkpoints.atomic import atomic_path
 from app.errors import UserError
 
 PANELS = (
@@ -208,7 +208,7 @@ def figure(run_dir: str | Path):
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        project = Path(__file__).resolve().parents[1]
+        project = Path(__file__).resolve().parents[2]
         raise UserError(f'plot needs matplotlib: {sys.executable} -m pip install -e "{project}[plot]"') from None
     _refuse_a_test_run(run_dir)
     series = epoch_metrics(run_dir)

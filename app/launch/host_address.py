@@ -15,7 +15,7 @@ import os
 import socket
 
 from app.errors import UserError
-from app.launcher import launcher_ranks, torchrun_job
+from app.launch.launcher import launcher_ranks, torchrun_job
 
 
 def resolved_addresses(host: str) -> list[str]:
