@@ -1,26 +1,35 @@
 """What the machinery reads from a task: the contract between your LightningModule / LightningDataModule and the
-template's CLI, callbacks and checkpoint rules. Nothing else of a task is read.
+template's CLI, callbacks, strategies, checkpoint rules and plot. Nothing else of a task is read.
 
-A LightningModule declares it as a class attribute; every field has a default, so a module that declares nothing
-still trains under every strategy::
+A LightningModule declares it as a class attribute, ``spec``; every field has a default, so a module that declares
+nothing still trains under every strategy::
 
     from app.task import TaskSpec
 
     class MyModel(LightningModule):
         spec = TaskSpec(monitor="val_loss", mode="min", network=("hidden", "layers"), blocks=("GRU",))
 
-A data module may name its classes (``class_names``, a list of str), which ``predictions.csv`` then shows, and
-may say something about its data on every epoch line of the run report (``epoch_note``, a short str or None: an
-attribute or a property, read at each epoch's end), such as that the data is a stand-in::
+The fields, one line each (the full list with the defaults: docs/fork.md): ``monitor`` and ``mode`` (the metric that
+ranks checkpoints), ``network`` (the arguments that decide the weights' shapes), ``blocks`` (what activation
+checkpointing wraps), ``layers`` and ``pipeline_layers`` (what the pipeline strategy cuts, and in which order),
+``lr_flag`` (the flag hints name), ``samples`` (a batch's size), ``step_values`` (what the progress bar shows
+between logged steps), ``default_optimizer`` (the ``--model.optimizer`` default), ``data_folder`` (the data
+module's folder argument), ``class_names``, ``predict_names`` and ``epoch_note`` (what the data module says of its
+classes, predicted samples and data), ``plot_panels``, ``data_source`` and ``stand_in_data`` (``cli.py plot``'s
+panels and title). Some of these are the data module's: the module's spec says how to read them, by default from an
+attribute of the data module of that name, such as::
 
     class MyData(LightningDataModule):
+        class_names = ["cat", "dog"]  # predictions.csv's class column
+
         @property
-        def epoch_note(self) -> str | None:
+        def epoch_note(self) -> str | None:  # the end of every epoch line of the run report
             return "SYNTHETIC data" if self.offline else None
 
-    # epoch 3 | train loss 0.4120 | val acc 0.8712 | 12.3 s | 4,567 samples/s | 1 x cpu (single_device) | SYNTHETIC data
+    # epoch 3 | train loss 0.4120 | val mse 0.0412 | 12.3 s | 4,567 samples/s | 1 x cpu (single_device) | SYNTHETIC data
 
-The contract, the steps of a fork and what each promise needs of a data module: docs/fork.md.
+The machinery reads a spec only through :func:`spec_of` and the helpers below. The steps of a fork and what each
+promise needs of a data module: docs/fork.md.
 """
 
 from __future__ import annotations
@@ -46,19 +55,52 @@ class TaskSpec:
     mode: Literal["min", "max"] = "min"
     """Whether a larger (``max``) or smaller (``min``) ``monitor`` is better."""
     network: tuple[str, ...] = ()
-    """The ``__init__`` arguments that decide the shapes of the weights (``arch``, ``hidden``, ...). A checkpoint
+    """The ``__init__`` arguments that decide the shapes of the weights (``hidden``, ``layers``, ...). A checkpoint
     brings its own values for these to ``--ckpt_path`` runs; giving another value is an error naming both."""
     blocks: tuple[str, ...] = ()
     """Submodule class names or paths (globs allowed) that activation checkpointing wraps by default."""
     layers: str = ""
     """The network that ``--trainer.strategy=pipeline`` cuts into stages, by its path (``"net"``); its forward must
-    run its layers one after another: an ``nn.Sequential``, or a module whose ``pipeline_layers()`` returns them in
-    order (the example's ResNet has one). Default: the only top-level submodule that holds parameters."""
+    run its layers one after another, in the order ``pipeline_layers`` gives. Default: the only top-level submodule
+    that holds parameters."""
     lr_flag: str | None = None
     """The flag that sets the learning rate, named in hints (a diverged run's line). Default: found from the
     module's ``__init__`` arguments (:func:`lr_flag_of`); a hint names no flag when none is found."""
     samples: Callable[[Any], int] | None = None
     """How many samples a batch holds (the run report's samples/s); default: :func:`count_samples`."""
+    pipeline_layers: Callable[[torch.nn.Module], Sequence[torch.nn.Module]] | None = None
+    """The layers of the network (``layers``) in the order its forward runs them, which the pipeline strategy deals
+    to its stages. Default: the network's own ``pipeline_layers()`` when it has one, else an ``nn.Sequential``'s
+    children (:func:`layers_in_order`)."""
+    step_values: Callable[[Any], Mapping[str, Any]] | None = None
+    """The latest training step's values (name -> tensor) that the progress bar shows when it redraws, logged or not
+    (``ProgressBar(show=...)`` names which). Default: the module's ``step_values`` dict when it has one, else only
+    what was logged."""
+    default_optimizer: Mapping[str, Any] | None = None
+    """The ``--model.optimizer`` default (``{"class_path": ..., "init_args": {...}}``) that ``cli.py`` shows in
+    ``--help`` and records in config.yaml, for a module that takes an ``optimizer`` and is the default task (not one
+    named with ``--model=``). None: LightningCLI's (the module's own default)."""
+    data_folder: str | None = None
+    """The data module's ``__init__`` argument that names a folder of files (``"data_dir"``, say): config.yaml
+    records it as an absolute path, and ``--ckpt_path last`` compares two runs' folders, not their spellings."""
+    class_names: Callable[[Any], Sequence[str] | None] | None = None
+    """What each class is called, from the data module: ``predictions.csv`` gets a ``class`` column beside integer
+    predictions. Default: the data module's ``class_names`` attribute, when it has one."""
+    predict_names: Callable[[Any], Sequence[str] | None] | None = None
+    """What each predicted sample is (a file name, say), from the data module: ``predictions.csv``'s ``name`` column.
+    Default: the data module's ``predict_names`` attribute, when it has one; else the sample's index."""
+    epoch_note: Callable[[Any], str | None] | None = None
+    """What the data module says of its data at each epoch's end, on one line (that it is a stand-in, say): the end
+    of every epoch line. Default: the data module's ``epoch_note`` attribute or property, when it has one."""
+    plot_panels: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """``cli.py plot``'s panels, ``(title, (metric, ...))`` each, in order; a task's per-epoch metrics that no panel
+    names get one more panel, and the training speed one of its own. Default: one panel of every per-epoch metric."""
+    data_source: str | None = None
+    """The hyperparameter (a key of the run's ``hparams.yaml``: the data module's, say) that says which data the run
+    read; ``cli.py plot``'s title shows its value. None: the title names no data."""
+    stand_in_data: tuple[str, ...] = ()
+    """Values of ``data_source`` that mean stand-in data (generated, not the real thing): the plot's title says so, in
+    red, since its scores say nothing of the task's real data."""
 
 
 DEFAULT_SPEC = TaskSpec()
@@ -132,16 +174,43 @@ def batch_samples(module: Any, batch: Any) -> int:
     return int(counter(batch)) if counter is not None else count_samples(batch)
 
 
-def class_names(datamodule: Any) -> list[str]:
-    """The data module's ``class_names`` (empty when it names none)."""
-    names = getattr(datamodule, "class_names", None)
+def _read(declared: Callable[[Any], Any] | None, holder: Any, attribute: str) -> Any:
+    """What a spec's reader returns for ``holder``, else (no reader declared) ``holder``'s attribute of that name."""
+    return declared(holder) if declared is not None else getattr(holder, attribute, None)
+
+
+def class_names(module: Any, datamodule: Any) -> list[str]:
+    """The data module's class names, as the module's spec says to read them (empty when it names none)."""
+    names = _read(spec_of(module).class_names, datamodule, "class_names")
     return [str(n) for n in names] if names else []
 
 
-def epoch_note(datamodule: Any) -> str:
-    """The data module's ``epoch_note``, on one line (empty when it has none): what every epoch line adds."""
-    note = getattr(datamodule, "epoch_note", None)
+def predict_names(module: Any, datamodule: Any) -> list[str]:
+    """What each predicted sample is called, as the module's spec says to read it (empty: by index)."""
+    names = _read(spec_of(module).predict_names, datamodule, "predict_names")
+    return [str(n) for n in names] if names else []
+
+
+def epoch_note(module: Any, datamodule: Any) -> str:
+    """The data module's note for the epoch line, on one line (empty when it has none), as the module's spec says."""
+    note = _read(spec_of(module).epoch_note, datamodule, "epoch_note")
     return " ".join(str(note).split()) if note else ""
+
+
+def step_values(module: Any) -> Mapping[str, Any]:
+    """The module's latest training step's values (name -> tensor) for the progress bar, as its spec says."""
+    return _read(spec_of(module).step_values, module, "step_values") or {}
+
+
+def layers_in_order(module: Any, net: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """The network's layers in the order its forward runs them, as the module's spec says (default: the network's
+    ``pipeline_layers()``, else an ``nn.Sequential``'s children); None when neither says."""
+    declared = spec_of(module).pipeline_layers
+    if declared is not None:
+        return list(declared(net))
+    if callable(getattr(net, "pipeline_layers", None)):
+        return list(net.pipeline_layers())
+    return list(net) if isinstance(net, torch.nn.Sequential) else None
 
 
 def step_value_read(trainer, batch_idx: int) -> bool:

@@ -228,6 +228,32 @@ def scan(root: Path, package: str = "app", skip: tuple[str, ...] = ("lightning_i
     return sorted(set(uses))
 
 
+def listed_private_uses(path: Path) -> dict[tuple[str, str], tuple[str, str]]:
+    """The ``PRIVATE_USES`` dict a file assigns at its top level, read from its syntax tree (empty when it has none)."""
+    for node in ast.parse(path.read_text(), str(path)).body:
+        targets = (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        )
+        if any(isinstance(t, ast.Name) and t.id == "PRIVATE_USES" for t in targets) and node.value is not None:
+            return dict(ast.literal_eval(node.value))
+    return {}
+
+
+def task_private_uses(root: Path, package: str = "app") -> dict[tuple[str, str], tuple[str, str]]:
+    """The private uses the tasks under ``root/package`` list for themselves: each sub-package's ``__init__.py`` may
+    hold a ``PRIVATE_USES`` of the files in its own folder (the example task's lists its ResNet's); a fork that
+    deletes a task deletes its list with it. An entry for a file outside its package is refused: the machinery's
+    uses are listed in app/lightning_internals.py."""
+    found: dict[tuple[str, str], tuple[str, str]] = {}
+    for init in sorted((root / package).glob("*/__init__.py")):
+        folder = init.parent.relative_to(root).as_posix() + "/"
+        for (path, name), where in listed_private_uses(init).items():
+            if not path.startswith(folder):
+                raise ValueError(f"{init.relative_to(root)}: PRIVATE_USES names {path}, which is not in {folder}")
+            found[path, name] = where
+    return found
+
+
 # ------------------------------------------------------------------------------------------------ run-time patches
 def _patched_classes() -> list[type]:
     """The library objects the template is handed at run time and could patch: the trainer, the module, strategies,

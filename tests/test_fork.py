@@ -97,6 +97,107 @@ def test_the_machinery_never_imports_the_example_task():
     assert "'app.fashion_mnist" not in loaded and "'app.run.cli'" in loaded, loaded[-2000:]
 
 
+# ---------------------------------------------------------------------- the example's names in the machinery's text
+def example_names() -> dict[str, list[str]]:
+    """What of the example task must not appear in the machinery's text, by kind, taken from the example itself: its
+    metric (spec.monitor, and as a checkpoint's file name writes it), its own flags (its classes' ``__init__``
+    arguments; not LightningCLI's optimizer and scheduler, nor the loader's batch size and workers, which any task
+    has), its class names and the words that name its data."""
+    import inspect
+
+    from app.fashion_mnist.data import FashionMNISTDataModule
+    from app.fashion_mnist.model import ImageClassifier
+
+    monitor = ImageClassifier.spec.monitor
+    anyones = {"self", "optimizer", "lr_scheduler", "batch_size", "num_workers"}
+    flags = [
+        f"--{group}.{name}"
+        for group, cls in (("model", ImageClassifier), ("data", FashionMNISTDataModule))
+        for name in inspect.signature(cls.__init__).parameters
+        if name not in anyones
+    ]
+    return {
+        "metric": [monitor, re.sub(r"[^\w.-]", "_", monitor)],
+        "flag": flags,
+        "word": [
+            ImageClassifier.__name__,
+            FashionMNISTDataModule.__name__,
+            "Fashion-MNIST",
+            ImageClassifier.spec.data_source,
+        ],
+    }
+
+
+def seam_leaks(root: Path, names: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """``(kind, where)`` for every place the machinery under ``root/app`` names the example task: an import or a dotted
+    name of its package, a slash path into its folders, its metric, flags or words (``names``: :func:`example_names`),
+    or an entry of the machinery's private-use list for one of its files."""
+    from tests.private_api import listed_private_uses
+
+    task = root / "app" / "fashion_mnist"
+    found = []
+    patterns = {
+        kind: re.compile("|".join(rf"(?<![\w/.-]){re.escape(n)}(?![\w-])" for n in words))
+        for kind, words in names.items()
+    }
+    for path in sorted(p for p in (root / "app").rglob("*.py") if task not in p.parents):
+        where, text = path.relative_to(root).as_posix(), path.read_text()
+        dotted = [name for name in _imports(path, root) if name.startswith("app.fashion_mnist")]
+        if dotted or "app.fashion_mnist" in text:
+            found.append(("dotted", f"{where}: {dotted or 'app.fashion_mnist'}"))
+        if "app/fashion_mnist" in text or "tests/fashion_mnist" in text:
+            found.append(("slash", where))
+        for kind, pattern in patterns.items():
+            if match := pattern.search(text):
+                found.append((kind, f"{where}: {match.group()}"))
+    listed = listed_private_uses(root / "app" / "lightning_internals.py")
+    found += [
+        ("private use", f"app/lightning_internals.py: {entry}") for entry in listed if "fashion_mnist" in entry[0]
+    ]
+    return found
+
+
+def test_the_machinery_text_names_nothing_of_the_example():
+    """No import, dotted name or slash path of the example, none of its metric, flags or words, in any machinery
+    file (code, messages, docstrings, comments): a fork renames them all, and the machinery's text must stay true."""
+    leaks = seam_leaks(ROOT, example_names())
+    assert not leaks, "the machinery names the example task:\n" + "\n".join(f"{k}: {w}" for k, w in leaks)
+
+
+PLANTED_LEAKS = {
+    "dotted": "from app.fashion_mnist.networks import build_resnet\n",
+    "slash": "# see app/fashion_mnist/networks.py\n",
+    "metric": 'MONITOR = "val/acc"\n',
+    "flag": 'HINT = "pass --model.arch=resnet_tiny"\n',
+    "word": '"""Plots Fashion-MNIST."""\n',
+    "private use": None,  # an entry of app/lightning_internals.py's list
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PLANTED_LEAKS))
+def test_each_kind_of_leak_planted_in_a_copy_is_caught(tmp_path, kind):
+    shutil.copytree(ROOT / "app", tmp_path / "app", ignore=shutil.ignore_patterns("fashion_mnist", "__pycache__"))
+    names = example_names()
+    assert seam_leaks(tmp_path, names) == []
+    if kind == "private use":
+        internals = tmp_path / "app" / "lightning_internals.py"
+        text = internals.read_text()
+        entry = (
+            '    ("app/fashion_mnist/networks.py", "_make_layer"): ("torchvision.models.resnet:ResNet", "a stage"),\n'
+        )
+        internals.write_text(
+            text.replace(
+                "PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {\n",
+                "PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {\n" + entry,
+                1,
+            )
+        )
+    else:
+        target = tmp_path / "app" / "run" / "plot.py"
+        target.write_text(target.read_text() + PLANTED_LEAKS[kind])
+    assert kind in {k for k, _ in seam_leaks(tmp_path, names)}
+
+
 # What a task may import from the template: the contract (app.task), the loader, the errors, the safe checkpoint
 # reader and whole-file writes (docs/fork.md)
 TASK_API = ("app.task", "app.loader", "app.errors", "app.checkpoints.io", "app.checkpoints.atomic")
@@ -146,7 +247,8 @@ def test_the_machinery_tests_never_use_the_example_task():
 def test_a_fork_without_the_example_still_has_every_machinery_test(tmp_path):
     """The fork itself: the tree without app/fashion_mnist and tests/fashion_mnist, cli.py pointed at another task.
     Every machinery test module still imports (a test that imported bench/, which measures the example, did not),
-    and a test run through cli.py's default task trains (the in-process runs default to the tests' own task)."""
+    and a test run through cli.py's default task trains (the in-process runs default to the tests' own task). The
+    private-API tests pass there too: no machinery list names a file of the deleted task."""
     fork = tmp_path / "fork"
     ignore = shutil.ignore_patterns(".git", ".venv", "lightning_logs", "__pycache__", "fashion_mnist", ".*cache")
     shutil.copytree(ROOT, fork, ignore=ignore)
@@ -162,8 +264,10 @@ def test_a_fork_without_the_example_still_has_every_machinery_test(tmp_path):
     assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-2000:]
     assert re.search(r"^(\d{3}) tests collected", collected.stdout, re.M), collected.stdout[-500:]
     ran = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cli.py", "-k",
-         "validate_without_ckpt_path or only_the_subcommand or rerunning_a_runs_config"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cli.py",
+         "tests/test_lightning_internals.py", "-k",
+         "validate_without_ckpt_path or only_the_subcommand or rerunning_a_runs_config or private or guard or "
+         "listed or override"],
         cwd=fork, env=environ, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert ran.returncode == 0 and " passed" in ran.stdout, ran.stdout[-3000:]

@@ -92,7 +92,7 @@ def remove_activation_checkpointing(root: nn.Module) -> None:
 
 
 COMPILE_REFUSED = (
-    "ActivationCheckpointing does not work with a compiled model (the example task's --model.compile=true): "
+    "ActivationCheckpointing does not work with a compiled model (a task's own compile option): "
     "torch.compile traces a checkpoint only with contexts it can trace, and the callback's BatchNorm guard is not "
     "one; leave out one of the two"
 )

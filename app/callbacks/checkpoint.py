@@ -1,11 +1,11 @@
 """``ModelCheckpoint`` whose ``last.ckpt`` is always the latest state, so ``--ckpt_path last`` resumes from it.
 
-Lightning 2.6 refreshes ``last.ckpt`` only when it also writes a top-k checkpoint: with ``monitor="val/acc"``
-an epoch that does not improve the best accuracy leaves ``last.ckpt`` at an older epoch, and a restart would
+Lightning 2.6 refreshes ``last.ckpt`` only when it also writes a top-k checkpoint: with ``monitor="val/loss"``
+an epoch that does not improve the best loss leaves ``last.ckpt`` at an older epoch, and a restart would
 silently repeat epochs. This subclass writes ``last.ckpt`` at every point where Lightning would consider saving.
 
 A run that stops before its first validation (``--trainer.max_steps`` inside the first epoch, a signal) has no
-``val/acc`` to rank checkpoints by: it writes ``last.ckpt`` only, without Lightning's warning that the monitored
+``val/loss`` to rank checkpoints by: it writes ``last.ckpt`` only, without Lightning's warning that the monitored
 key is missing.
 
 A run stopped by ``--trainer.max_steps`` part-way through an epoch saves the position after its last step (Lightning

@@ -3,7 +3,7 @@
 Lightning's summary runs the model once on its ``example_input_array`` to show each layer's input and output
 sizes, under a FLOP counter (a ``TorchDispatchMode``). With torch 2.11 a compiled network's first call under that
 mode makes Dynamo skip the network's ``forward`` for good: every later step ran eagerly, without a single graph
-compiled (issue 44: ``cli.py fit --model.compile=true`` at eager speed on an H200, 0 graphs; torch 2.14 compiles).
+compiled (issue 44: the example task compiled, at eager speed on an H200, 0 graphs; torch 2.14 compiles).
 Here that one call runs with ``torch.compiler.set_stance("force_eager")``: the summary is the same, and the first
 training step is the network's first compiled call.
 """

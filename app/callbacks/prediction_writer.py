@@ -1,16 +1,16 @@
 """``python cli.py predict`` writes ``predictions.csv`` into the run's folder (on by default in ``cli.py``).
 
 One row per sample, in dataset order, from every rank: ``index, name, label, pred, ...``. ``name`` is the data
-module's ``predict_names[index]`` when it has them (the example task: the image's file name or ``test[i]``), else
-the index; ``label`` is the batch's target when it carries one (the second element of a ``(x, y)`` batch, or a dict
-batch's ``label``/``target``/``y``), else empty. Up to ``show`` predictions (a handful of one's own images) are
-also printed as a table. What follows comes from ``predict_step``:
+module's ``predict_names[index]`` when it has them (a file name, say; ``TaskSpec.predict_names`` says how to read
+them), else the index; ``label`` is the batch's target when it carries one (the second element of a ``(x, y)``
+batch, or a dict batch's ``label``/``target``/``y``), else empty. Up to ``show`` predictions (a handful of one's own
+images) are also printed as a table. What follows comes from ``predict_step``:
 
 - a tensor: ``pred``, one value per sample (a vector per sample is written as values joined by spaces);
 - a dict of tensors: ``pred`` from ``preds`` (or the first entry), ``prob`` as the largest of ``probs`` when given,
   and one more column per other entry.
 
-When the data module names its classes (``class_names``, app/task.py), integer predictions also get a ``class``
+When the data module names its classes (``TaskSpec.class_names``, app/task.py), integer predictions also get a ``class``
 column. With several processes every rank sends its rows to rank 0, which writes the file; a sample that a
 distributed sampler gave to two ranks (it pads the last batches so that every rank has as many) is written once.
 """
@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from app.callbacks.progress import console_print
 from app.checkpoints.atomic import atomic_write
-from app.task import class_names
+from app.task import class_names, predict_names
 
 LABEL_KEYS = ("label", "labels", "target", "targets", "y")
 
@@ -71,8 +71,8 @@ class PredictionWriter(BasePredictionWriter):
         log_dir = trainer.log_dir  # a collective under ddp: every rank must ask, not only rank 0
         if not trainer.is_global_zero:
             return
-        names = getattr(trainer.datamodule, "predict_names", None) or []
-        classes = class_names(trainer.datamodule)
+        names = predict_names(pl_module, trainer.datamodule)
+        classes = class_names(pl_module, trainer.datamodule)
         extra = list(dict.fromkeys(name for _, _, values in rows for name in values if name not in ("pred", "prob")))
         with_prob = any("prob" in values for _, _, values in rows)
         with_class = bool(classes) and all(isinstance(values.get("pred"), int) for _, _, values in rows)

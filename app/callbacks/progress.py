@@ -32,6 +32,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from app.launch.launcher import launcher_ranks
+from app.task import step_values
 
 
 def live_bar_console(trainer: Trainer) -> Any:
@@ -135,7 +136,7 @@ class ProgressBar(RichProgressBar):
     Args:
         refresh_seconds: Least time between two redraws. 0 redraws after every batch, as Lightning does.
         show: Values to show besides those logged with ``prog_bar=True``, read only when the bar redraws: from the
-            module's ``step_values`` dict (the latest training step's values) when it has them, else logged ones.
+            module's latest training step's values (``TaskSpec.step_values``) when it has them, else logged ones.
         **kwargs: ``RichProgressBar``'s arguments (``leave``, ``theme``, ``console_kwargs``, ...).
     """
 
@@ -182,9 +183,9 @@ class ProgressBar(RichProgressBar):
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)  # the version folder: printed once at the start, not worth a place on the bar
-        # The module's latest step values first (ImageClassifier keeps them every step but logs them only at the
-        # steps where they are written or read), then what was logged.
-        latest = getattr(pl_module, "step_values", None) or {}
+        # The module's latest step values first (a task may keep them every step but log them only at the steps
+        # where they are written or read: TaskSpec.step_values), then what was logged.
+        latest = step_values(pl_module)
         logged = trainer.callback_metrics
         for name in self.show:
             value = latest.get(name, logged.get(name))

@@ -57,17 +57,24 @@ class WeightedMean(Metric):
 
 
 class ImageClassifier(LightningModule):
-    # What the template's machinery reads from this task (app/task.py): checkpoints are ranked by validation
-    # accuracy, these three arguments decide the weights' shapes, activation checkpointing wraps residual blocks.
+    # What the template's machinery reads from this task (app/task.py, docs/fork.md): checkpoints are ranked by
+    # validation accuracy, these three arguments decide the weights' shapes, activation checkpointing wraps residual
+    # blocks; SGD is the --model.optimizer default that cli.py shows in --help and records in config.yaml; the data
+    # module's folder is --data.data_dir; the plot draws the losses and the accuracies, and its title names the data
+    # source that FashionMNISTDataModule records, in red for the synthetic stand-in. The ResNet lists its layers for
+    # the pipeline (pipeline_layers()), the module keeps step_values for the bar, and the data module has
+    # class_names, predict_names and epoch_note: each the default of its field.
     spec = TaskSpec(
         monitor="val/acc",
         mode="max",
         network=("arch", "num_classes", "norm"),
         blocks=("BasicBlock", "Bottleneck"),
+        default_optimizer={"class_path": "torch.optim.SGD", "init_args": dict(DEFAULT_SGD)},
+        data_folder="data_dir",
+        plot_panels=(("loss", ("train/loss_epoch", "val/loss")), ("accuracy", ("train/acc", "val/acc"))),
+        data_source="resolved_source",
+        stand_in_data=("synthetic",),
     )
-
-    # The --model.optimizer default that cli.py shows in --help and records in config.yaml.
-    default_optimizer = {"class_path": "torch.optim.SGD", "init_args": dict(DEFAULT_SGD)}
 
     def __init__(
         self,

@@ -5,7 +5,7 @@ accepted after its short name.
 The one-line errors are rewritten from the text of jsonargparse's messages, which no API promises: setup.cfg bounds
 jsonargparse below its next major version, and the tests that provoke each kind of message through ``cli.py`` and
 check the line a user sees (tests/test_cli.py: test_a_wrong_option_of_a_strategy_or_callback_is_one_plain_line, the
-typo and YAML tests; tests/fashion_mnist/test_example_cli.py) are the contract: a jsonargparse that words a message
+typo and YAML tests, and the example task's CLI tests) are the contract: a jsonargparse that words a message
 differently fails them by name."""
 
 from __future__ import annotations

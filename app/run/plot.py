@@ -1,13 +1,16 @@
-"""``python cli.py plot lightning_logs/version_N``: loss, accuracy and images/s per epoch, as a PNG next to the run
-(for another task: its own per-epoch metrics in one more panel).
+"""``python cli.py plot lightning_logs/version_N``: the task's per-epoch metrics and training samples/s, as a PNG
+next to the run.
 
 Reads the run's ``metrics.csv`` (written by the CSV logger), joined to those of the runs it resumed from, and
-writes ``plot.png`` in the same folder (``--out`` to choose another path): the epoch losses over the per-step loss,
-the accuracies, and training images/s from 0. Epochs are numbered as the console and the checkpoints number them
-(from 0); epoch e's per-step losses spread over e - 0.5 to e + 0.5. A ``cli.py test`` of one of the run's
-checkpoints (a later ``lightning_logs/version_N`` whose config names it) is drawn as a dashed line with its score
-on the panel of the same metric (``test/acc`` on ``val/acc``'s). The title says which data the run trained on, in red
-when it was the synthetic stand-in. Needs matplotlib: ``pip install -e ".[plot]"``.
+writes ``plot.png`` in the same folder (``--out`` to choose another path). The panels are the task's
+(``TaskSpec.plot_panels``: its class is the one the run's config.yaml names, else ``cli.py``'s default task), then one
+of its per-epoch metrics that no panel names, then training samples/s from 0; a task whose class cannot be imported
+gets that generic plot of whatever metrics.csv holds. The per-step ``train/loss`` is drawn faintly under the epoch
+losses. Epochs are numbered as the console and the checkpoints number them (from 0); epoch e's per-step losses spread
+over e - 0.5 to e + 0.5. A ``cli.py test`` of one of the run's checkpoints (a later ``lightning_logs/version_N``
+whose config names it) is drawn as a dashed line with its score on the panel of the same metric (``test/loss`` on
+``val/loss``'s). The title says which data the run trained on (``TaskSpec.data_source``), in red when it was a
+stand-in (``TaskSpec.stand_in_data``). Needs matplotlib: ``pip install -e ".[plot]"``.
 """
 
 from __future__ import annotations
@@ -20,13 +23,10 @@ from pathlib import Path
 
 from app.checkpoints.atomic import atomic_path
 from app.errors import UserError
+from app.task import TaskSpec, import_class, spec_of
 
-PANELS = (
-    ("loss", ("train/loss_epoch", "val/loss")),
-    ("accuracy", ("train/acc", "val/acc")),
-    ("images/s (training)", ("perf/images_per_s",)),
-)
-STEP_LOSS = "train/loss"  # logged every log_every_n_steps, drawn faintly under the epoch losses
+SPEED = ("images/s (training)", ("perf/images_per_s",))  # what the run report logs (app/callbacks/run_report.py)
+STEP_LOSS = "train/loss"  # logged every log_every_n_steps, drawn faintly under the epoch losses (train/loss_epoch)
 
 
 def _read_rows(metrics_csv: Path) -> list[dict[str, str]]:
@@ -87,7 +87,7 @@ def run_rows(run_dir: Path) -> list[tuple[Path, dict[str, str]]]:
 
 def epoch_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """``{metric: [(epoch, value), ...]}`` for every per-epoch metric of a run (and the runs it resumed from): the
-    example task's (:data:`PANELS`) and any other task's, a metric logged at most once per epoch.
+    metrics a task logs at most once per epoch.
 
     An epoch logged twice (the interrupted one, then again after the resume) keeps the last value.
     """
@@ -108,12 +108,14 @@ def epoch_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {name: sorted(values.items()) for name, values in series.items() if name not in per_step}
 
 
-def panels(series: dict[str, list]) -> list[tuple[str, tuple[str, ...]]]:
-    """The example task's panels that have data, then one panel of every other task's per-epoch metrics."""
-    known = [(title, names) for title, names in PANELS if any(series.get(n) for n in names)]
-    shown = {n for _, names in PANELS for n in names}
+def panels(series: dict[str, list], spec: TaskSpec | None = None) -> list[tuple[str, tuple[str, ...]]]:
+    """The task's panels that have data (``spec.plot_panels``), then one panel of its other per-epoch metrics, then
+    the training speed."""
+    declared = [*(spec.plot_panels if spec else ()), SPEED]
+    known = [(title, tuple(names)) for title, names in declared if any(series.get(n) for n in names)]
+    shown = {n for _, names in declared for n in names}
     others = tuple(sorted(n for n in series if n not in shown and not n.startswith("perf/") and series[n]))
-    speed = [panel for panel in known if panel[0].startswith("images/s")]
+    speed = [panel for panel in known if panel[0] == SPEED[0]]
     return [p for p in known if p not in speed] + ([("metrics", others)] if others else []) + speed
 
 
@@ -158,18 +160,35 @@ def tests_of(run_dir: Path) -> list[tuple[str, str, float]]:
     return found
 
 
-def data_source(run_dir: Path) -> str | None:
-    """The data the run trained on (``resolved_source`` in its ``hparams.yaml``), or None if it does not say."""
-    hparams = run_dir / "hparams.yaml"
-    if not hparams.is_file():
-        return None
+def _yaml_of(path: Path) -> dict:
+    """A run's YAML file as a dict; empty when it is missing or not a mapping."""
     import yaml
 
     try:
-        loaded = yaml.safe_load(hparams.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError):
+        loaded = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return loaded if isinstance(loaded, dict) else {}
+
+
+def task_spec(run_dir: Path, model: str | type | None = None) -> TaskSpec | None:
+    """The spec of the task the run trained: the class its config.yaml names (``--model=pkg.Class``), else ``model``
+    (the default task, which a run of it does not name); None when there is none or it cannot be imported (a generic
+    plot then)."""
+    config = _yaml_of(run_dir / "config.yaml").get("model")
+    named = (config.get("class_path") if isinstance(config, dict) else None) or model
+    try:
+        return spec_of(import_class(named) if isinstance(named, str) else named) if named else None
+    except Exception:  # noqa: BLE001  (any failure to import a task's class: the plot needs no task)
         return None
-    return loaded.get("resolved_source") if isinstance(loaded, dict) else None
+
+
+def data_source(run_dir: Path, spec: TaskSpec | None = None) -> str | None:
+    """The data the run trained on (the ``hparams.yaml`` value the task's ``spec.data_source`` names), or None."""
+    if spec is None or not spec.data_source:
+        return None
+    value = _yaml_of(run_dir / "hparams.yaml").get(spec.data_source)
+    return None if value is None else str(value)
 
 
 def _refuse_a_test_run(run_dir: Path) -> None:
@@ -195,8 +214,9 @@ def _refuse_a_test_run(run_dir: Path) -> None:
     raise UserError(f"{run_dir} holds a `cli.py test` run, not a training run: plot the run folder of a `fit`")
 
 
-def figure(run_dir: str | Path):
-    """The run's figure (a matplotlib ``Figure``): loss, accuracy and images/s panels, titled with its data."""
+def figure(run_dir: str | Path, model: str | type | None = None):
+    """The run's figure (a matplotlib ``Figure``): the task's panels (``model``: the default task's class, for a run
+    whose config names none) and the speed, titled with its data."""
     run_dir = Path(run_dir)
     metrics_csv = run_dir / "metrics.csv"
     if not metrics_csv.is_file():
@@ -212,14 +232,15 @@ def figure(run_dir: str | Path):
         raise UserError(f'plot needs matplotlib: {sys.executable} -m pip install -e "{project}[plot]"') from None
     _refuse_a_test_run(run_dir)
     series = epoch_metrics(run_dir)
-    layout = panels(series)
+    spec = task_spec(run_dir, model)
+    layout = panels(series, spec)
     if not layout:
         raise UserError(f"{metrics_csv}: no per-epoch metrics yet (has an epoch finished?)")
     tested = tests_of(run_dir)
     fig, axes = plt.subplots(1, len(layout), figsize=(5 * len(layout), 3.8), constrained_layout=True, squeeze=False)
     axes = list(axes[0])
     for ax, (title, names) in zip(axes, layout, strict=True):
-        if title == "loss" and (steps := step_losses(run_dir)):
+        if f"{STEP_LOSS}_epoch" in names and (steps := step_losses(run_dir)):
             ax.plot(*zip(*steps, strict=True), color="0.6", linewidth=0.8, alpha=0.6, label=f"{STEP_LOSS} (per step)")
         for name in names:
             if series.get(name):
@@ -234,24 +255,24 @@ def figure(run_dir: str | Path):
         ax.grid(alpha=0.3)
         if ax.lines:
             ax.legend()
-        if title.startswith("images/s"):
+        if title == SPEED[0]:
             ax.set_ylim(bottom=0)  # speed from 0: run-to-run noise is not a trend
-    source = data_source(run_dir)
-    if source == "synthetic":
+    source = data_source(run_dir, spec)
+    if spec is not None and source in spec.stand_in_data:
         fig.suptitle(
-            f"{run_dir}  —  SYNTHETIC stand-in data: these accuracies say nothing about Fashion-MNIST", color="red"
+            f"{run_dir}  —  {source.upper()} stand-in data: these scores say nothing about the real data", color="red"
         )
     else:
         fig.suptitle(f"{run_dir}  —  data: {source}" if source else str(run_dir))
     return fig
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def plot_run(run_dir: str | Path, out: str | Path | None = None, model: str | type | None = None) -> Path:
     """Draw :func:`figure` into ``out`` (default ``RUN_DIR/plot.png``), atomically; returns the path written."""
     out = Path(out) if out else Path(run_dir) / "plot.png"
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; give a file name such as {out / 'plot.png'}")
-    fig = figure(run_dir)
+    fig = figure(run_dir, model)
     import matplotlib.pyplot as plt
 
     try:
@@ -264,9 +285,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     return out
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], model: str | type | None = None) -> None:
+    """``cli.py plot``; ``model``: ``cli.py``'s default task (class path or class), for runs whose config names none."""
     parser = argparse.ArgumentParser(prog="cli.py plot", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="a run folder, e.g. lightning_logs/version_0")
     parser.add_argument("--out", help="the PNG to write (default: RUN_DIR/plot.png)")
     args = parser.parse_args(argv)
-    print(f"wrote {plot_run(args.run_dir, args.out)}", file=sys.stderr)
+    print(f"wrote {plot_run(args.run_dir, args.out, model)}", file=sys.stderr)

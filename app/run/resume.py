@@ -75,17 +75,20 @@ def _flat(value, prefix: str = "") -> dict:
     return {key: v for k, item in value.items() for key, v in _flat(item, f"{prefix}{k}.").items()}
 
 
-def _same_value(key: str, a, b) -> bool:
-    if key.rsplit(".", 1)[-1] == "data_dir" and isinstance(a, str) and isinstance(b, str):
+def _same_value(key: str, a, b, folder: str | None = None) -> bool:
+    """Whether a setting has the same value in two configs; ``folder`` (``TaskSpec.data_folder``): the data module's
+    argument that names a folder, the same folder however it is spelled."""
+    if folder and key.rsplit(".", 1)[-1] == folder and isinstance(a, str) and isinstance(b, str):
         a, b = (os.path.abspath(os.path.expanduser(v)) for v in (a, b))  # config.yaml names the folder absolutely
     return a == b
 
 
-def settings_differ(run: dict, command: dict) -> list[str]:
-    """The settings (dotted names) in which a run's config.yaml and this command's differ, the run's own aside."""
+def settings_differ(run: dict, command: dict, folder: str | None = None) -> list[str]:
+    """The settings (dotted names) in which a run's config.yaml and this command's differ, the run's own aside
+    (``folder``: the data module's folder argument, compared as a folder)."""
     a, b = _flat(run), _flat(command)
     own = [k for k in {*a, *b} if any(k == p or k.startswith(f"{p}.") for p in RUNS_OWN_SETTINGS)]
-    return sorted(k for k in {*a, *b} - set(own) if not _same_value(k, a.get(k), b.get(k)))
+    return sorted(k for k in {*a, *b} - set(own) if not _same_value(k, a.get(k), b.get(k), folder))
 
 
 def run_settings(last: Path) -> dict | None:
@@ -96,7 +99,7 @@ def run_settings(last: Path) -> dict | None:
         return None
 
 
-def last_of_this_command(candidates: list[Path], command: dict | None) -> Path | None:
+def last_of_this_command(candidates: list[Path], command: dict | None, folder: str | None = None) -> Path | None:
     """``--ckpt_path last``: the newest ``last.ckpt`` of a run started with this command's settings (the README's
     "same command as before, plus --ckpt_path last"), or of a later run that continued that one (resumed from its
     checkpoints, with a new lr, say), else the newest of all. A stopped run is then resumed even when runs with
@@ -107,10 +110,11 @@ def last_of_this_command(candidates: list[Path], command: dict | None) -> Path |
         return newest
     for last in candidates:
         settings = run_settings(last)
-        if settings is not None and not settings_differ(settings, command):
+        if settings is not None and not settings_differ(settings, command, folder):
             last = latest_continuation(last, candidates)
             if last != newest:
-                other = [f"--{name}" for name in settings_differ(run_settings(newest) or {}, command)] or ["settings"]
+                differ = settings_differ(run_settings(newest) or {}, command, folder)
+                other = [f"--{name}" for name in differ] or ["settings"]
                 shown = ", ".join(other[:3]) + (", ..." if len(other) > 3 else "")
                 rank_zero_info(
                     f"--ckpt_path last: {last}, the newest of a run with this command's settings (the newest of all, "
@@ -157,7 +161,9 @@ def check_loggerless_root(root: Path, config) -> None:
         )
 
 
-def resolve_last_or_best(which: str, config, load=load_checkpoint, command: dict | None = None) -> str | None:
+def resolve_last_or_best(
+    which: str, config, load=load_checkpoint, command: dict | None = None, folder: str | None = None
+) -> str | None:
     """``--ckpt_path last``/``best`` from the parsed config, before anything is built (None: no such file yet): of
     the newest run with this command's settings (``command``: what its config.yaml will say), else the newest run."""
     root = Path(config.trainer.default_root_dir or ".")
@@ -167,7 +173,7 @@ def resolve_last_or_best(which: str, config, load=load_checkpoint, command: dict
         if (folder := folder_logger_root(logger)) is not None:  # the default loggers' "." is default_root_dir
             runs_root = root / folder if logger.init_args.get("save_dir") in (".", None) else folder
             break
-    found = last_of_this_command(last_ckpts(runs_root, root), command)
+    found = last_of_this_command(last_ckpts(runs_root, root), command, folder)
     if found is not None and which == "best":
         found = best_checkpoint_of(found, load)
     return None if found is None else str(found)
@@ -246,9 +252,9 @@ class CkptPathRule:
     def _parse_ckpt_path(self) -> None:  # LightningCLI's private step (app/lightning_internals.py, item 5)
         """Lightning's own step, made safe, strict and explicit. One rule for every form of ``--ckpt_path``:
 
-        - the network (``--model.arch``, ``norm``, ``num_classes``) is the checkpoint's; giving one of them with
+        - the network (the arguments the task's ``spec.network`` names) is the checkpoint's; giving one of them with
           another value (on the command line or in a ``--config`` file) is an error naming both values;
-        - a training setting given explicitly (``--model.optimizer...``, ``--model.label_smoothing``, ...) wins over
+        - a training setting given explicitly (``--model.optimizer...``, a loss's weight, ...) wins over
           the checkpoint's, with a one-line notice naming it; one not given is the checkpoint's;
         - ``fit`` resumes the optimizer's state, with the optimizer arguments given explicitly (its lr, momentum,
           ...) that differ from the checkpoint's put over the restored ones (:class:`app.callbacks.ResumeSettings`,
@@ -261,7 +267,10 @@ class CkptPathRule:
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if ckpt_path in ("last", "best"):
             command = self._settings(subcommand)
-            ckpt_path = self._resolved = resolve_last_or_best(ckpt_path, self.config[subcommand], self._load, command)
+            folder = spec_of(self._chosen_model_class(subcommand)).data_folder
+            ckpt_path = self._resolved = resolve_last_or_best(
+                ckpt_path, self.config[subcommand], self._load, command, folder
+            )
         if not ckpt_path or ckpt_path == "hpc":
             return
         allow_remote = bool(self.config[subcommand].get("allow_remote_ckpt"))

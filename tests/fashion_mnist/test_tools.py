@@ -65,7 +65,7 @@ def test_plot_reads_as_a_person_expects(run_dir):
     """Whole-epoch ticks, the per-step loss under the epoch losses, speed from 0, and the data named in the title."""
     from app.run.plot import figure, step_losses
 
-    fig = figure(run_dir)
+    fig = figure(run_dir, ImageClassifier)  # the default task: a run of it names no class
     loss_ax, acc_ax, speed_ax = fig.axes
     for ax in fig.axes:
         low, high = ax.get_xlim()
@@ -96,7 +96,7 @@ def test_plot_draws_the_test_score_of_a_checkpoint_of_the_run(run_dir, data_dir,
                  str(ckpt), cwd=tmp_path)  # fmt: skip
     assert tested.returncode == 0, tested.stderr[-2000:]
     (row,) = [row for row in read_rows(tmp_path / "lightning_logs" / "version_1" / "metrics.csv") if row["test/acc"]]
-    loss_ax, acc_ax, _ = figure(run).axes
+    loss_ax, acc_ax, _ = figure(run, ImageClassifier).axes
     for ax, metric in ((acc_ax, "test/acc"), (loss_ax, "test/loss")):
         (line,) = [line for line in ax.lines if line.get_label().startswith(metric)]
         assert line.get_linestyle() == "--" and set(line.get_ydata()) == {float(row[metric])}
