@@ -528,3 +528,45 @@ def test_the_python_apis_rank_watchdog_waits_as_long_as_cli_pys():
     cli_default = inspect.signature(RankWatchdog.__init__).parameters["timeout"].default  # what the CLI's parser offers
     assert watchdog().timeout == cli_default == 15.0
     assert watchdog(watchdog_timeout=42.0).timeout == 42.0
+
+
+def test_default_callbacks_out_of_order_fail_in_one_line_naming_both_and_the_fix():
+    """Elastic must come before Preemption (app/callbacks/stop_plan.py: ORDER); the order was once only a comment, and
+    a survivor saved nothing. Any trainer, the default callbacks reordered here, fails at setup in one line; the
+    defaults in order train, and a run's own Elastic (docs/elastic.md) is put before the default Preemption."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from app.callbacks import Elastic
+    from app.callbacks.stop_plan import in_order, stop_plan
+    from app.errors import UserError
+    from app.run.defaults import default_callbacks
+
+    settings = {"enable_progress_bar": False, "logger": False, "enable_model_summary": False}
+
+    def trainer(callbacks) -> Trainer:
+        return Trainer(
+            callbacks=callbacks,
+            accelerator="cpu",
+            fast_dev_run=True,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+
+    wrong = sorted(default_callbacks(settings, [], []), key=lambda c: type(c).__name__ == "Elastic")  # Elastic last
+    with pytest.raises(UserError) as raised:
+        trainer(wrong).fit(BoringModel())
+    message = str(raised.value)
+    assert "\n" not in message
+    assert message.startswith("callbacks out of order: Elastic comes after Preemption"), message
+    assert message.endswith("put Elastic before Preemption in the callbacks list"), message
+
+    right = trainer(default_callbacks(settings, [], []))
+    right.fit(BoringModel())
+    plan = stop_plan(right)
+    assert (type(plan.survivor_save).__name__, type(plan.preemption).__name__) == ("Elastic", "Preemption")
+
+    own = [Elastic(keep_global_batch=False)]
+    names = [type(c).__name__ for c in in_order(default_callbacks(settings, own, []), own)]
+    assert names.index("Elastic") < names.index("Preemption"), names

@@ -28,10 +28,11 @@ from lightning.pytorch import Trainer
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from app.checkpoints.io import CHECKPOINT_FORMAT, FORMAT_KEY, atomic_torch_save, check_compatible, load_checkpoint
+from app.checkpoints.run_folders import finished_run_of, mark_run, run_of
 from app.checkpoints.saved_state import MPI_LAUNCH_DIR, saved_state_announcer, saved_states
 from app.errors import UserError
 from app.launch.launcher import torchrun_job
-from app.launch.restarts import agent_id, finished_run_of, mark_run, run_of, take_launcher_numbers
+from app.launch.restarts import agent_id, take_launcher_numbers
 from app.loader import DeviceLoader, ResumableLoader, ResumableSampler
 from app.strategies import HorovodStrategy
 from tests import warm
@@ -767,6 +768,21 @@ def test_devices_and_nodes_come_from_torchrun_when_not_given(monkeypatch):
         ({"num_nodes": 2}, "--trainer.num_nodes=2, but torchrun started 3 node(s) (--nnodes)"),
         ({"strategy": "dp"}, "--trainer.strategy=dp starts its own workers, but torchrun started this process as one"),
         ({"strategy": "ddp_spawn"}, "under torchrun use --trainer.strategy=ddp"),
+        # Lightning 2.x has no DDPSpawnStrategy class: ddp_fork and ddp_notebook got past a check by class name
+        ({"strategy": "ddp_fork"}, "--trainer.strategy=ddp_fork starts its own workers, but torchrun started"),
+        ({"strategy": "ddp_notebook"}, "--trainer.strategy=ddp_notebook starts its own workers"),
+        (
+            {
+                "strategy": SimpleNamespace(
+                    class_path="lightning.pytorch.strategies.DDPStrategy", init_args={"start_method": "spawn"}
+                )
+            },
+            "--trainer.strategy=lightning.pytorch.strategies.DDPStrategy starts its own workers",
+        ),
+        (
+            {"strategy": SimpleNamespace(class_path="app.strategies.dp.DataParallelStrategy", init_args={})},
+            "--trainer.strategy=app.strategies.dp.DataParallelStrategy starts its own workers",
+        ),
         ({"strategy": "horovod"}, "--trainer.strategy=horovod runs its ranks under mpirun, but torchrun started"),
     ],
 )
@@ -923,7 +939,7 @@ def test_a_stopping_rank_promises_a_restart_only_when_one_is_left(monkeypatch, t
     """'The launcher restarts the job' was printed with torchrun's restarts used up and under horovod without
     restarts (issue 34, item 10): the advice now follows what the launcher will do."""
     from app.callbacks.rank_watchdog import what_next
-    from app.launch.restarts import MPI_RESTARTS_LEFT
+    from app.launch.launcher import MPI_RESTARTS_LEFT
 
     last = tmp_path / "last.ckpt"
     last.write_bytes(b"x")

@@ -1055,7 +1055,7 @@ def test_a_lost_rank_verdict_waits_until_the_survivor_saved_its_state(monkeypatc
 
     from app.callbacks import RankWatchdog
     from app.callbacks import rank_watchdog as module
-    from app.callbacks.rank_watchdog import Heartbeat
+    from app.callbacks.heartbeat import Heartbeat
 
     ended, lines = threading.Event(), []
     monkeypatch.setattr(RankWatchdog, "_end", lambda self: (ended.set(), _raise(Ended())))  # os._exit, in a test
@@ -1137,7 +1137,7 @@ def test_a_store_that_answers_just_after_the_timeout_keeps_the_watchdog_watching
     and still judge a peer that stops answering for good."""
     import threading
 
-    from app.callbacks.rank_watchdog import Heartbeat
+    from app.callbacks.heartbeat import Heartbeat
 
     class SlowOnceStore:
         def __init__(self) -> None:

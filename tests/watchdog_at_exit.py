@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from app.callbacks import rank_watchdog
+from app.callbacks import heartbeat
 
 
 class SlowStore:
@@ -46,13 +46,13 @@ class SlowShutdown:
 if __name__ == "__main__":
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False)
-    beat = rank_watchdog.Heartbeat(SlowStore(client), 0, 2, timeout=30.0, interval=0.05, prefix="exit")
+    beat = heartbeat.Heartbeat(SlowStore(client), 0, 2, timeout=30.0, interval=0.05, prefix="exit")
     beat.start()
     time.sleep(1.0)  # beating: a store call is under way at any moment
     if sys.argv[1] == "finish":
         beat.finish()
     elif sys.argv[1] == "none":
-        rank_watchdog._running.clear()  # noqa: SLF001 (the negative control: nothing to wait for at exit)
+        heartbeat._running.clear()  # noqa: SLF001 (the negative control: nothing to wait for at exit)
     keep = SlowShutdown()
     print("leaving", flush=True)
     sys.exit(143)

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from app.callbacks.progress import console_print, live_bar_console
+from app.callbacks.stop_plan import stop_plan
 from app.errors import Preempted
 from app.launch.restarts import torchrun_restarts_possible
 from app.launch.signals import catch_early_signals, take_early_signals
@@ -70,6 +71,8 @@ def _how_to_continue() -> str:
 
 
 class Preemption(Callback):
+    stop_role = "preemption"  # in the trainer's stop plan (app/callbacks/stop_plan.py)
+
     def __init__(self, signals: tuple[str, ...] = ("SIGTERM", "SIGINT")) -> None:
         """
         Args:
@@ -100,6 +103,7 @@ class Preemption(Callback):
     # ---------------------------------------------------------------- setup
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
+        stop_plan(trainer).join(trainer, self)  # the rank watchdog reads the signal received
         if stage != "fit":
             return
         if str(trainer.precision).startswith("64"):

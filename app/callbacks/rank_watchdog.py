@@ -3,9 +3,9 @@
 Without it a dead rank shows up as a gloo ``Connection reset by peer`` traceback that names no rank, or, with
 NCCL, as a collective that hangs until the process group's timeout (30 minutes by default).
 
-Every rank runs a daemon thread that, every ``interval`` seconds, bumps its own counter in the rendezvous store
-that ``torch.distributed`` already runs (the TCPStore of ``MASTER_ADDR:MASTER_PORT``, hosted by rank 0) and reads
-the others'. A rank is lost when
+Every rank runs a daemon thread (:class:`~app.callbacks.heartbeat.Heartbeat`) that, every ``interval`` seconds,
+bumps its own counter in the rendezvous store that ``torch.distributed`` already runs (the TCPStore of
+``MASTER_ADDR:MASTER_PORT``, hosted by rank 0) and reads the others'. A rank is lost when
 
 - its process is gone (peers on the same host check its pid: immediate), or
 - its counter has not moved for ``timeout`` seconds (another host, or a process that hangs), or
@@ -24,222 +24,33 @@ Under ``fsdp`` and ``pipeline`` no survivor holds the whole state: the verdict t
 callback says that none is written. A stop signal that came first (torchrun's agent sends the other workers SIGTERM
 when one dies) announced a checkpoint if every rank finished the step; the verdict says it is not written.
 A rank that finishes marks itself done, so an early finisher is never taken for a dead one.
+What it hands the Elastic callback and reads from Preemption is written in :mod:`app.callbacks.stop_plan`.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import math
 import os
 import signal
-import socket
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch.distributed as dist
 from lightning.pytorch import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from typing_extensions import override
 
-from app.callbacks.preemption import Preemption
+from app.callbacks.heartbeat import Heartbeat, rendezvous_store
+from app.callbacks.stop_plan import StopPlan, stop_plan
 from app.errors import UserError
 from app.launch.host_address import answers
 from app.launch.launcher import TorchrunAgent, mpi_daemon, torchrun_agent
-from app.launch.library_noise import store_warnings_off
 from app.launch.restarts import restarts_left
-from app.launch.signals import process_alive
 from app.lightning_internals import take_over_local_ranks
 from app.parallelism import parallelism
 
 EXIT_CODE = 1
-DONE = -(1 << 40)  # added to a rank's counter when it finishes
-FAILED = 2 * DONE  # added instead when it leaves with an error (not a planned stop: preemption, divergence)
-
-
-def _failed(beat: int) -> bool:
-    return beat < (DONE + FAILED) // 2  # a heartbeat counter plus FAILED, not plus DONE
-
-
-def rendezvous_store(trainer, timeout: float):
-    """A client of the store the process group met at (the cluster environment's main address and port), or None.
-
-    Every launcher here (Lightning's ddp and ddp_spawn, torchrun, the horovod strategy's ``tcp://`` init) forms the
-    group through a ``TCPStore`` at that address, hosted by rank 0 or torchrun's agent.
-    """
-    environment = getattr(trainer.strategy, "cluster_environment", None)
-    try:
-        return dist.TCPStore(
-            environment.main_address,
-            environment.main_port,
-            is_master=False,
-            timeout=timedelta(seconds=timeout),
-            wait_for_workers=False,
-        )
-    except (AttributeError, RuntimeError, ValueError, OSError, TypeError) as err:
-        rank_zero_debug(f"RankWatchdog: no rendezvous store ({err}); not watching")
-        return None
-
-
-class Heartbeat(threading.Thread):
-    """The watchdog thread of one rank. ``lost_ranks`` becomes non-empty when a peer is judged dead."""
-
-    def __init__(self, store, rank: int, world_size: int, timeout: float, interval: float, prefix: str) -> None:
-        super().__init__(name=f"rank-watchdog-{rank}", daemon=True)
-        self.store, self.rank, self.world_size = store, rank, world_size
-        self.timeout, self.interval, self.prefix = timeout, interval, prefix
-        self.lost_ranks: list[int] = []
-        self.reason = ""
-        self.silent = False  # the verdict came from silence (a peer's heartbeat, rank 0's store), not an exit or error
-        self.across_hosts = False  # ... of a rank on another host (or one not yet placed): the network may have failed
-        self.verdict = threading.Event()
-        self._halt = threading.Event()  # not "_stop": that is a threading.Thread method
-        self.on_lost = None  # called from this thread with (ranks, reason); default: exit the process
-        self._call: threading.Thread | None = None  # the store call under way (a helper thread: it may hang)
-
-    def _key(self, kind: str, rank: int) -> str:
-        return f"{self.prefix}/{kind}/{rank}"
-
-    def run(self) -> None:
-        try:
-            self._watch()
-        finally:
-            _running.discard(self)
-
-    def _watch(self) -> None:
-        host = socket.gethostname()
-        peers = [r for r in range(self.world_size) if r != self.rank]
-        try:
-            self.store.set(self._key("pid", self.rank), f"{host}:{os.getpid()}")
-        except Exception as err:  # noqa: BLE001 (no store: nothing to watch)
-            rank_zero_debug(f"RankWatchdog: store unusable ({err}); not watching")
-            return
-        pids: dict[int, int] = {}
-        seen = {r: (None, time.monotonic()) for r in peers}
-        while not self._halt.wait(self.interval):
-            # A store whose host process is stopped (SIGSTOP, a hung machine) accepts the connection but never
-            # answers, and torch's store calls can then block far beyond their timeout: make the calls from a
-            # helper thread and give up on them after ``timeout``.
-            outcome: dict = {}
-            call = self._call = threading.Thread(target=self._exchange, args=(peers, host, pids, outcome), daemon=True)
-            call.start()
-            call.join(self.timeout)
-            if call.is_alive() or "error" in outcome:
-                if self._halt.wait(2 * self.interval):  # finishing normally: the store closes as rank 0 exits
-                    return
-                if not call.is_alive() and "error" not in outcome:  # it answered late (rank 0 stalled, then went
-                    continue  # on): slow, not gone; watch on
-                why = (
-                    f"has not answered for {self.timeout:.0f} s (its process is stopped or hangs)"
-                    if call.is_alive()
-                    else f"stopped answering ({type(outcome['error']).__name__})"
-                )
-                self.silent = True
-                self.across_hosts = not pids.get(0)
-                self._judge([0], f"the rendezvous store on rank 0 {why}")
-                return
-            beats = outcome["beats"]
-            now = time.monotonic()
-            lost, reasons = [], []
-            for r in peers:
-                if _failed(beats[r]):
-                    lost.append(r)
-                    reasons.append(f"rank {r} stopped with an error (its output above says which)")
-                    continue
-                if beats[r] < 0:  # finished
-                    continue
-                if pids.get(r) and not process_alive(pids[r]):
-                    if self._finished(r):  # it marked itself done, then exited
-                        continue
-                    lost.append(r)
-                    reasons.append(f"rank {r} (pid {pids[r]} on {host}) has exited")
-                    continue
-                if beats[r] != seen[r][0]:
-                    seen[r] = (beats[r], now)
-                elif now - seen[r][1] > self.timeout:
-                    self.silent = True
-                    self.across_hosts = self.across_hosts or not pids.get(r)  # not a process seen on this host
-                    lost.append(r)
-                    reasons.append(f"rank {r} has not answered for {now - seen[r][1]:.0f} s")
-            if lost:
-                self._judge(lost, "; ".join(reasons))
-                return
-
-    def _exchange(self, peers: list[int], host: str, pids: dict[int, int], outcome: dict) -> None:
-        """One heartbeat: bump this rank's counter, read the peers' (and their pids, once). Fills ``outcome``."""
-        try:
-            with store_warnings_off():  # its failure (the store's host is gone) is a verdict, said in one line
-                self.store.add(self._key("beat", self.rank), 1)
-                outcome["beats"] = {r: self.store.add(self._key("beat", r), 0) for r in peers}
-                for r in peers:
-                    if r not in pids and self.store.check([self._key("pid", r)]):
-                        peer_host, pid = self.store.get(self._key("pid", r)).decode().rsplit(":", 1)
-                        pids[r] = int(pid) if peer_host == host else 0
-        except Exception as err:  # noqa: BLE001 (the store's host is gone, or the network)
-            outcome["error"] = err
-
-    def _finished(self, rank: int) -> bool:
-        try:
-            with store_warnings_off():
-                beat = self.store.add(self._key("beat", rank), 0)
-        except Exception:  # noqa: BLE001
-            return False
-        return beat < 0 and not _failed(beat)
-
-    def _judge(self, ranks: list[int], reason: str) -> None:
-        self.lost_ranks, self.reason = ranks, reason
-        self.verdict.set()
-        if self.on_lost is not None:
-            self.on_lost(ranks, reason)
-
-    def start(self) -> None:
-        _register_exit_wait()
-        _running.add(self)
-        super().start()
-
-    def finish(self, failed: bool = False) -> None:
-        """This rank is done (``failed``: it leaves with an error): peers stop watching it, and this thread stops."""
-        self._halt.set()
-        with contextlib.suppress(Exception), store_warnings_off():  # the store may already be gone at the very end
-            self.store.add(self._key("beat", self.rank), FAILED if failed else DONE)
-        self.wait_stopped()
-
-    def wait_stopped(self) -> None:
-        """Return once this thread and its store call are over: at most ``timeout + interval`` seconds (a store call
-        gives up after ``timeout``), and not after a verdict, whose thread ends the process itself.
-
-        A daemon thread that comes back from one of torch's C++ calls while the interpreter shuts down ends the
-        process with SIGABRT, "terminate called without an active exception" (CPython ends such a thread with
-        pthread_exit, whose unwinding cannot pass torch's C++ frames). Seen on ddp_spawn ranks that had stopped
-        cleanly and saved, when rank 0, the store's host, exited first and a peer's store call then failed."""
-        self._halt.set()
-        if threading.current_thread() is self:
-            return
-        deadline = time.monotonic() + self.timeout + self.interval
-        # not once a verdict came: its thread waits for this one's save (the Elastic callback) and ends the process
-        for thread in (self, self._call):
-            while thread is not None and thread.is_alive() and not self.verdict.is_set():
-                if time.monotonic() > deadline:
-                    return
-                thread.join(0.05)
-
-
-_running: set[Heartbeat] = set()  # the heartbeat threads of this process that have not stopped
-_exit_wait_registered = False
-
-
-def _register_exit_wait() -> None:
-    """At the interpreter's exit (atexit runs before it shuts down), every heartbeat still running is stopped and
-    waited for (:meth:`Heartbeat.wait_stopped`): a rank that leaves without the callback's teardown (an exception
-    raised past Lightning, ``sys.exit`` in a user's hook) exits cleanly too. Registered with the first heartbeat."""
-    global _exit_wait_registered
-    if not _exit_wait_registered:
-        atexit.register(lambda: [beat.wait_stopped() for beat in list(_running)])
-        _exit_wait_registered = True
-
-
 MIN_TIMEOUT = 1.0
 
 
@@ -262,6 +73,8 @@ def what_next(last: Path | None, cut_off: bool = False) -> str:
 
 
 class RankWatchdog(Callback):
+    stop_role = "watchdog"  # in the trainer's stop plan (app/callbacks/stop_plan.py)
+
     def __init__(self, timeout: float = 15.0, interval: float | None = None) -> None:
         """
         Args:
@@ -290,17 +103,16 @@ class RankWatchdog(Callback):
         self.cut_off: TorchrunAgent | None = None  # this node lost the network: its agent, stopped with the process
         self.verdict: str | None = None  # a cut-off node's verdict, said by the save's line (one line in all)
         self.mpi_daemon: tuple[int, str] | None = None  # a rank on another host fell silent: mpirun, stopped with it
-        self.before_exit: list = []  # callables run before the verdict ends the process (the CLI's run folder)
         self._save_reported = False
         self._strategy = None  # what the verdict's line says depends on it (sharded or not)
-        self._preemption: Preemption | None = None  # a stop signal it received changes what the verdict says
+        self._plan: StopPlan | None = None  # Preemption's signal changes what the verdict says; before_exit
         self._ending = threading.Event()  # never set: what the training thread waits on while a verdict ends it
 
     def __getstate__(self) -> dict:
         # The horovod self-launch pickles the trainer into its ranks: the launching process's cleanups stay there.
         return {
             **self.__dict__,
-            **{"before_exit": [], "_save_now": None, "cut_off": None, "mpi_daemon": None, "_ending": None},
+            **{"_plan": None, "_save_now": None, "cut_off": None, "mpi_daemon": None, "_ending": None},
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -308,6 +120,8 @@ class RankWatchdog(Callback):
 
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
+        self._plan = stop_plan(trainer)
+        self._plan.join(trainer, self)
         if trainer.world_size == 1 or not dist.is_initialized():
             return
         store = rendezvous_store(trainer, self.timeout)
@@ -316,7 +130,6 @@ class RankWatchdog(Callback):
         self._children = take_over_local_ranks(trainer)  # Lightning's observer would SIGKILL everything first
         self._checkpointer = trainer.checkpoint_callback  # its dirpath is known only later
         self._strategy = trainer.strategy
-        self._preemption = next((c for c in trainer.callbacks if isinstance(c, Preemption)), None)
         self._heartbeat = Heartbeat(
             store, trainer.global_rank, trainer.world_size, self.timeout, self.interval, f"rank-watchdog/{stage}"
         )
@@ -406,7 +219,8 @@ class RankWatchdog(Callback):
     def _no_signal_checkpoint(self) -> str:
         """A stop signal came first (a launcher stops the other workers when one dies: torchrun, srun), and its
         line said a checkpoint follows once every rank has finished the step: one rank never will."""
-        signum = getattr(self._preemption, "received", 0)
+        preemption = None if self._plan is None else self._plan.preemption
+        signum = 0 if preemption is None else preemption.received
         if not signum:
             return ""
         return f" without the checkpoint {signal.Signals(signum).name} asked for: it needs every rank"
@@ -415,7 +229,8 @@ class RankWatchdog(Callback):
         for process in self._children:  # the local ranks this process started
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)
-        for cleanup in self.before_exit:  # what the process would do on its way out (os._exit skips it)
+        # what the process would do on its way out, which os._exit skips (the CLI's removal of an unused run folder)
+        for cleanup in self._plan.before_exit if self._plan else ():
             with contextlib.suppress(Exception):
                 cleanup()
         # torch's agent at once, before it can close the rendezvous (and with no traceback, which SIGTERM gives); mpirun

@@ -11,6 +11,7 @@ that writes under that root, through the loggers' ``version`` argument. Processe
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import shutil
@@ -20,8 +21,10 @@ from pathlib import Path
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
+from app.checkpoints.atomic import write_text
 from app.errors import UserError
-from app.launch.launcher import is_first_process
+from app.launch.launcher import TorchrunJob, is_first_process
+from app.launch.restarts import agent_id
 
 VERSION_ENV = "TEMPLATE_RUN_VERSION"  # the claimed N, for the ranks a launcher starts after the claim
 # Columns of metrics.csv that say nothing of the training itself: a run that logged only these (the learning-rate
@@ -164,3 +167,107 @@ def _worth_keeping(folder: Path) -> bool:
             if any(row.get(c) not in (None, "") for c in kept) or (row.get("step") or "0").strip() not in ("0", ""):
                 return True  # a value of the task's own, or a row logged after the first step
         return False
+
+
+# ---------------------------------------------------------------- the run a torchrun job's restarts continue
+# torchrun restarts every worker from the start of the program: a restart must find the run folder its job's first
+# start claimed (by the job's rendezvous id, written into it as ``elastic.json``; marked finished at the end, so
+# ``--rdzv-id`` tells two jobs apart and a job started with the id of an unfinished run continues it).
+MARKER = "elastic.json"
+METRICS_BEFORE_RESTART = "metrics.before-restart.csv"
+
+
+def mark_run(
+    folder: Path, job: TorchrunJob, finished: bool = False, agents: list[str] = (), shape: dict | None = None
+) -> None:
+    """Name ``folder`` as the run of this torchrun job, for its restarts to find (``finished`` once it trained to
+    the end: a later job with the same rendezvous id then starts a run of its own). ``agents`` are the agents of
+    the job's ranks: a restart by one of them after the run finished has nothing left to train. ``shape`` is the
+    first start's devices, per-device batch and accumulation (:class:`~app.callbacks.Elastic`), kept once given: a
+    restart that finds no state to resume from still trains with the configured global batch."""
+    marker = {"rdzv_id": job.run_id, "finished": finished, "agents": sorted(set(agents))}
+    shape = shape or run_shape(folder)
+    if shape:
+        marker["shape"] = shape
+    write_text(folder / MARKER, json.dumps(marker) + "\n")
+
+
+def run_shape(folder: Path) -> dict | None:
+    """The shape of the run in ``folder`` as its first start recorded it (:func:`mark_run`), or None."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    shape = marker.get("shape") if isinstance(marker, dict) else None
+    return shape if isinstance(shape, dict) else None
+
+
+def _marked_runs(root: Path, job: TorchrunJob) -> dict[int, dict]:
+    """``{version: marker}`` of the run folders under ``root`` that a start of a job with this id marked."""
+    found = {}
+    for folder in root.glob("version_*"):
+        match = re.fullmatch(r"version_(\d+)", folder.name)
+        try:
+            marker = json.loads((folder / MARKER).read_text())
+        except (OSError, ValueError):
+            continue
+        if match and isinstance(marker, dict) and marker.get("rdzv_id") == job.run_id:
+            found[int(match[1])] = marker
+    return found
+
+
+def run_of(root: Path, job: TorchrunJob) -> int | None:
+    """The version number of the newest unfinished run folder under ``root`` that a start of this job marked.
+
+    Looked up at every start, not only when ``TORCHELASTIC_RESTART_COUNT`` > 0: torchrun does not count a restart
+    for a node that joins, and those restarts must continue the run too."""
+    return max((v for v, marker in _marked_runs(root, job).items() if not marker.get("finished")), default=None)
+
+
+def finished_run_of(root: Path, job: TorchrunJob, agent: str) -> int | None:
+    """The version number of the newest finished run under ``root`` that this very job trained (``agent`` was one
+    of its agents), or None. A worker that fails after the run finished (at exit) makes torchrun restart the job;
+    that restart must not train a new run."""
+    finished = [v for v, m in _marked_runs(root, job).items() if m.get("finished") and agent in m.get("agents", [])]
+    return max(finished, default=None)
+
+
+def keep_metrics_for_restart(folder: Path) -> None:
+    """Move the run's ``metrics.csv`` aside before the restarted run's CSV logger starts (it deletes the file); the
+    :class:`~app.callbacks.Elastic` callback writes its rows back in front of the new ones. A ``metrics.csv`` that
+    exists holds every earlier row (it is written only after they were put back), so it replaces the kept copy."""
+    metrics = folder / "metrics.csv"
+    if metrics.is_file():
+        os.replace(metrics, folder / METRICS_BEFORE_RESTART)
+
+
+def continue_run_folder(loggers: list, job: TorchrunJob) -> tuple[dict[Path, int], str | None, str | None]:
+    """A restart by torchrun goes on in the run folder of the job's first start, from its last.ckpt if any.
+
+    Returns the logger roots with the version they go on writing, the ``last.ckpt`` to resume from (None: start
+    fresh) and the name this start's config file gets beside the first start's ``config.yaml``. Exits 0 with one
+    line when the job's run had already finished (a worker failed after training, e.g. at exit)."""
+    continued: dict[Path, int] = {}
+    ckpt, config_name = None, None
+    for logger in loggers:
+        root = folder_logger_root(logger)
+        version = None if root is None else run_of(root, job)
+        if version is None and root is not None:
+            done = finished_run_of(root, job, agent_id())
+            if done is not None:
+                rank_zero_info(
+                    f"torchrun restarted the job after its run finished ({root}/version_{done}, marked finished; "
+                    "a worker failed after training, e.g. at exit): nothing left to train"
+                )
+                raise SystemExit(0)
+        if version is None or root in continued:
+            continue
+        continued[root] = version
+        config_name = f"config.restart{job.restart_count}.yaml" if job.restart_count else "config.rejoined.yaml"
+        folder = root / f"version_{version}"
+        if is_first_process():
+            keep_metrics_for_restart(folder)
+        last = folder / "checkpoints" / "last.ckpt"
+        if last.is_file() and ckpt is None:
+            ckpt = str(last.resolve())
+    return continued, ckpt, config_name

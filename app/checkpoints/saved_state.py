@@ -6,7 +6,7 @@ the state of the last completed step writes there ``saved-state-RANK``, naming t
 reports once no rank runs any more (:func:`saved_states`) and restarts the ranks from a save that is in place. The
 report is written when the save's temporary file exists (:func:`saved_state_announcer`), so a rank killed at any
 moment of its save leaves a report the launcher reads right. torchrun needs none of this: its restarts find
-``last.ckpt`` in the run folder (app/launch/restarts.py).
+``last.ckpt`` in the run folder (app/checkpoints/run_folders.py).
 """
 
 from __future__ import annotations

@@ -215,3 +215,29 @@ def _rendezvous_endpoint(args: list[str]) -> tuple[str, int] | None:
         return host, int(_option(args, "--master-port", "--master_port") or 29500)
     except ValueError:
         return None
+
+
+# ---------------------------------------------------------------- the horovod strategy's own mpirun launch
+# It sets these in its ranks' environment (``--trainer.strategy.max_restarts``); app/launch/restarts.py reads them.
+MPI_RESTARTS_LEFT = "TEMPLATE_MPI_RESTARTS_LEFT"  # how many more times the launcher restarts the ranks
+MPI_RESTART = "TEMPLATE_MPI_RESTART"  # which start this is: 0 first, 1 the first restart, ...
+
+
+def self_launch_restarts() -> tuple[int, int]:
+    """``(which start this is, restarts left)`` of the horovod strategy's own mpirun launch; ``(0, 0)`` outside it."""
+    return int(os.environ.get(MPI_RESTART, "0")), int(os.environ.get(MPI_RESTARTS_LEFT, "0"))
+
+
+def mpi_job_id() -> str:
+    """The MPI job's id (Open MPI's, PMIx's or PMI's), the same in every rank of the job; "" when none says it."""
+    return (
+        os.environ.get("OMPI_MCA_ess_base_jobid")  # noqa: SIM112
+        or os.environ.get("PMIX_NAMESPACE")
+        or os.environ.get("PMI_ID", "")
+    )
+
+
+def rendezvous_address() -> tuple[str | None, int | None]:
+    """``MASTER_ADDR`` and ``MASTER_PORT`` where the launcher or the user set them, else None for each."""
+    port = os.environ.get("MASTER_PORT")
+    return os.environ.get("MASTER_ADDR") or None, int(port) if port else None

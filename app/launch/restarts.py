@@ -8,33 +8,21 @@ size of the re-formed job in its environment. This module reads that environment
 - the number of processes per node and the number of nodes, which Lightning otherwise wants repeated as
   ``--trainer.devices``/``--trainer.num_nodes`` (and refuses when they differ from the launcher's: a job that
   lost a node could not go on);
-- whether this start is a restart, and the run folder the first start claimed: a restart continues that run
-  (its ``last.ckpt``, its ``metrics.csv``) instead of starting a new one. The folder is found by the job's
-  rendezvous id, written into it as ``elastic.json`` by the first start and marked finished at the end;
-  ``--rdzv-id`` tells two jobs apart (a job started with the id of an unfinished run continues it).
+- whether this start is a restart, and which one: a restart continues the first start's run (its ``last.ckpt``,
+  its ``metrics.csv``) instead of starting a new one. Which folder that is, app/checkpoints/run_folders.py finds
+  (the job's rendezvous id, written into it as ``elastic.json`` by the first start).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import socket
-from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from app.checkpoints.atomic import write_text
 from app.errors import UserError
-from app.launch.launcher import TorchrunJob, torchrun_job
-
-MARKER = "elastic.json"
-METRICS_BEFORE_RESTART = "metrics.before-restart.csv"
-
-
-# Set by the horovod strategy's own mpirun launch (``--trainer.strategy.max_restarts``) in its ranks' environment.
-MPI_RESTARTS_LEFT = "TEMPLATE_MPI_RESTARTS_LEFT"  # how many more times the launcher restarts the ranks
-MPI_RESTART = "TEMPLATE_MPI_RESTART"  # which start this is: 0 first, 1 the first restart, ...
+from app.launch.launcher import TorchrunJob, self_launch_restarts, torchrun_job
+from app.parallelism import configured_to_start_own_workers
 
 
 def restarts_possible() -> bool:
@@ -43,7 +31,7 @@ def restarts_possible() -> bool:
     job = torchrun_job()
     if job is not None:
         return job.restarts_possible
-    return int(os.environ.get(MPI_RESTARTS_LEFT, "0")) > 0
+    return self_launch_restarts()[1] > 0
 
 
 def restarts_left() -> bool:
@@ -52,7 +40,7 @@ def restarts_left() -> bool:
     job = torchrun_job()
     if job is not None:
         return job.restarts_left
-    return int(os.environ.get(MPI_RESTARTS_LEFT, "0")) > 0
+    return self_launch_restarts()[1] > 0
 
 
 def is_restart() -> bool:
@@ -60,7 +48,7 @@ def is_restart() -> bool:
     job = torchrun_job()
     if job is not None:
         return job.restart_count > 0
-    return int(os.environ.get(MPI_RESTART, "0")) > 0
+    return self_launch_restarts()[0] > 0
 
 
 def torchrun_restarts_possible() -> bool:
@@ -82,7 +70,7 @@ def take_launcher_numbers(
     """
     strategy = trainer_config.strategy
     name = strategy if isinstance(strategy, str) else getattr(strategy, "class_path", "")
-    if name in ("dp", "ddp_spawn") or name.endswith((".DataParallelStrategy", ".DDPSpawnStrategy")):
+    if configured_to_start_own_workers(strategy):  # ddp_spawn, ddp_fork, ddp_notebook, dp
         raise UserError(
             f"--trainer.strategy={name} starts its own workers, but torchrun started this process as one of "
             f"{job.world_size}; under torchrun use --trainer.strategy=ddp (one process per device)"
@@ -127,102 +115,3 @@ def agent_id() -> str:
     """This worker's torchrun agent: its host and process id (the agent starts the worker, and restarts it with the
     same process id; a new ``torchrun`` command is another agent)."""
     return f"{socket.gethostname()}:{os.getppid()}"
-
-
-def mark_run(
-    folder: Path, job: TorchrunJob, finished: bool = False, agents: list[str] = (), shape: dict | None = None
-) -> None:
-    """Name ``folder`` as the run of this torchrun job, for its restarts to find (``finished`` once it trained to
-    the end: a later job with the same rendezvous id then starts a run of its own). ``agents`` are the agents of
-    the job's ranks: a restart by one of them after the run finished has nothing left to train. ``shape`` is the
-    first start's devices, per-device batch and accumulation (:class:`~app.callbacks.Elastic`), kept once given: a
-    restart that finds no state to resume from still trains with the configured global batch."""
-    marker = {"rdzv_id": job.run_id, "finished": finished, "agents": sorted(set(agents))}
-    shape = shape or run_shape(folder)
-    if shape:
-        marker["shape"] = shape
-    write_text(folder / MARKER, json.dumps(marker) + "\n")
-
-
-def run_shape(folder: Path) -> dict | None:
-    """The shape of the run in ``folder`` as its first start recorded it (:func:`mark_run`), or None."""
-    try:
-        marker = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    shape = marker.get("shape") if isinstance(marker, dict) else None
-    return shape if isinstance(shape, dict) else None
-
-
-def _marked_runs(root: Path, job: TorchrunJob) -> dict[int, dict]:
-    """``{version: marker}`` of the run folders under ``root`` that a start of a job with this id marked."""
-    found = {}
-    for folder in root.glob("version_*"):
-        match = re.fullmatch(r"version_(\d+)", folder.name)
-        try:
-            marker = json.loads((folder / MARKER).read_text())
-        except (OSError, ValueError):
-            continue
-        if match and isinstance(marker, dict) and marker.get("rdzv_id") == job.run_id:
-            found[int(match[1])] = marker
-    return found
-
-
-def run_of(root: Path, job: TorchrunJob) -> int | None:
-    """The version number of the newest unfinished run folder under ``root`` that a start of this job marked.
-
-    Looked up at every start, not only when ``TORCHELASTIC_RESTART_COUNT`` > 0: torchrun does not count a restart
-    for a node that joins, and those restarts must continue the run too."""
-    return max((v for v, marker in _marked_runs(root, job).items() if not marker.get("finished")), default=None)
-
-
-def finished_run_of(root: Path, job: TorchrunJob, agent: str) -> int | None:
-    """The version number of the newest finished run under ``root`` that this very job trained (``agent`` was one
-    of its agents), or None. A worker that fails after the run finished (at exit) makes torchrun restart the job;
-    that restart must not train a new run."""
-    finished = [v for v, m in _marked_runs(root, job).items() if m.get("finished") and agent in m.get("agents", [])]
-    return max(finished, default=None)
-
-
-def keep_metrics_for_restart(folder: Path) -> None:
-    """Move the run's ``metrics.csv`` aside before the restarted run's CSV logger starts (it deletes the file); the
-    :class:`~app.callbacks.Elastic` callback writes its rows back in front of the new ones. A ``metrics.csv`` that
-    exists holds every earlier row (it is written only after they were put back), so it replaces the kept copy."""
-    metrics = folder / "metrics.csv"
-    if metrics.is_file():
-        os.replace(metrics, folder / METRICS_BEFORE_RESTART)
-
-
-def continue_run_folder(loggers: list, job: TorchrunJob) -> tuple[dict[Path, int], str | None, str | None]:
-    """A restart by torchrun goes on in the run folder of the job's first start, from its last.ckpt if any.
-
-    Returns the logger roots with the version they go on writing, the ``last.ckpt`` to resume from (None: start
-    fresh) and the name this start's config file gets beside the first start's ``config.yaml``. Exits 0 with one
-    line when the job's run had already finished (a worker failed after training, e.g. at exit)."""
-    from app.checkpoints.run_folders import folder_logger_root
-    from app.launch.launcher import is_first_process
-
-    continued: dict[Path, int] = {}
-    ckpt, config_name = None, None
-    for logger in loggers:
-        root = folder_logger_root(logger)
-        version = None if root is None else run_of(root, job)
-        if version is None and root is not None:
-            done = finished_run_of(root, job, agent_id())
-            if done is not None:
-                rank_zero_info(
-                    f"torchrun restarted the job after its run finished ({root}/version_{done}, marked finished; "
-                    "a worker failed after training, e.g. at exit): nothing left to train"
-                )
-                raise SystemExit(0)
-        if version is None or root in continued:
-            continue
-        continued[root] = version
-        config_name = f"config.restart{job.restart_count}.yaml" if job.restart_count else "config.rejoined.yaml"
-        folder = root / f"version_{version}"
-        if is_first_process():
-            keep_metrics_for_restart(folder)
-        last = folder / "checkpoints" / "last.ckpt"
-        if last.is_file() and ckpt is None:
-            ckpt = str(last.resolve())
-    return continued, ckpt, config_name

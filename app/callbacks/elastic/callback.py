@@ -11,6 +11,7 @@ from typing_extensions import override
 from app.callbacks.elastic.failure import SaveOnFailure
 from app.callbacks.elastic.metrics import MetricsContinuation
 from app.callbacks.elastic.world_size import WorldSizeChange
+from app.callbacks.stop_plan import stop_plan
 from app.launch.restarts import is_restart, restarts_possible
 
 
@@ -18,6 +19,8 @@ class Elastic(Callback):
     """A resume at another world size, a survivor's save under a restarting launcher, one metrics.csv across
     restarts. The global batch kept is always the one the run started with (``first`` in every checkpoint;
     ``elastic.json`` for a restart that finds no state at all)."""
+
+    stop_role = "survivor_save"  # in the trainer's stop plan (app/callbacks/stop_plan.py)
 
     def __init__(self, keep_global_batch: bool = True) -> None:
         """
@@ -34,7 +37,7 @@ class Elastic(Callback):
 
     @property
     def started_as(self) -> dict | None:
-        """The run's first shape, set by ElasticRunFolder for a restart that has no state to resume from."""
+        """The run's first shape, for a restart that has no state to resume from (ElasticRunFolder finds it)."""
         return self.world.started_as
 
     @started_as.setter
@@ -53,6 +56,7 @@ class Elastic(Callback):
     # ---------------------------------------------------------------- Lightning's hooks, to the parts
     @override
     def setup(self, trainer, pl_module, stage: str) -> None:
+        stop_plan(trainer).join(trainer, self)
         if stage != "fit":
             return
         self.restartable = restarts_possible()
@@ -72,6 +76,8 @@ class Elastic(Callback):
 
     @override
     def on_fit_start(self, trainer, pl_module) -> None:
+        if (first_shape := stop_plan(trainer).first_shape) is not None:  # after every callback's setup
+            self.started_as = first_shape
         self.world.fit_start(trainer, self._restored)
 
     @override

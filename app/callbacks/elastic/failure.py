@@ -24,7 +24,8 @@ from pathlib import Path
 
 from app.callbacks.elastic.metrics import MetricsContinuation
 from app.callbacks.progress import console_print
-from app.callbacks.rank_watchdog import REJOIN, RankWatchdog
+from app.callbacks.rank_watchdog import REJOIN
+from app.callbacks.stop_plan import stop_plan
 from app.checkpoints.io import SafeCheckpointIO, saved_at_step
 from app.checkpoints.saved_state import report_saved_state, saved_state_announcer
 from app.errors import UserError
@@ -73,9 +74,9 @@ class SaveOnFailure:
     def arm(self, trainer) -> None:
         """A lost peer's verdict waits until this rank saved (on_exception), or has it save from its own thread."""
         self._step_lock, self._in_step, self._saving = threading.Lock(), False, threading.Lock()
-        for watchdog in trainer.callbacks:
-            if isinstance(watchdog, RankWatchdog):
-                watchdog.expect_save(save_now=lambda wait: self.save_from_watchdog(trainer, wait))
+        watchdog = stop_plan(trainer).watchdog
+        if watchdog is not None:
+            watchdog.expect_save(save_now=lambda wait: self.save_from_watchdog(trainer, wait))
 
     def validation_start(self, trainer) -> None:
         # What the checkpoint callbacks knew before this validation: a failure in it (in its epoch checkpoint's
@@ -137,14 +138,14 @@ class SaveOnFailure:
         if isinstance(exception, UserError | KeyboardInterrupt | SystemExit):
             return  # SystemExit: a preemption, which saved its own checkpoint, or a deliberate stop
         self.step_recorded()  # a step that raised: the watchdog thread must not wait for it
-        watchdogs = [c for c in trainer.callbacks if isinstance(c, RankWatchdog)]
+        watchdog = stop_plan(trainer).watchdog
         reported = False
         # A save that the watchdog thread began first (it took the lock) ends the process before this goes on.
         with self._saving if self._saving is not None else contextlib.nullcontext():
             try:
                 reported = self._save_after_failure(trainer, exception)
             finally:  # the rank watchdog kept this process alive for the save: it may end it now
-                for watchdog in watchdogs:
+                if watchdog is not None:
                     watchdog.save_over(reported)
 
     def save_from_watchdog(self, trainer, wait: float) -> bool:
@@ -241,14 +242,14 @@ class SaveOnFailure:
         else:
             self.saved_after_failure = str(path)
             saved = f"Saved the state after step {step} to {path}"
-        watchdogs = [w for w in trainer.callbacks if isinstance(w, RankWatchdog)]
+        watchdog = stop_plan(trainer).watchdog
         said = f"[rank {trainer.global_rank}] "  # from the watchdog thread, its own line said what failed
         if exception is not None:  # shortened at a word, not "the remote w."
             said += f"{type(exception).__name__}: {textwrap.shorten(str(exception), 200, placeholder=' ...')}. "
-        verdict = next((w.verdict for w in watchdogs if w.verdict), None)
+        verdict = None if watchdog is None else watchdog.verdict
         if exception is None and verdict:  # a cut-off node: its verdict and its save in one line
             said = f"{verdict} "
-        if any(w.cut_off for w in watchdogs):
+        if watchdog is not None and watchdog.cut_off:
             then = REJOIN.split(": ", 1)[1] if said.startswith("error:") else REJOIN  # (the verdict said it lost it)
         elif restarts_left():
             then = "the launcher restarts the job from there"

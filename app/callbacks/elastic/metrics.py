@@ -14,7 +14,7 @@ from pathlib import Path
 from lightning.pytorch.loggers import CSVLogger
 
 from app.checkpoints.atomic import write_text
-from app.launch.restarts import METRICS_BEFORE_RESTART
+from app.checkpoints.run_folders import METRICS_BEFORE_RESTART
 
 METRICS_ROWS_TO_KEEP = "metrics.rows-to-keep"
 

@@ -8,18 +8,20 @@ import torch
 from lightning.pytorch import Callback
 from typing_extensions import override
 
-from app.callbacks.elastic.callback import Elastic
+from app.callbacks.stop_plan import stop_plan
+from app.checkpoints.run_folders import MARKER, mark_run, run_shape
 from app.errors import UserError
-from app.launch.restarts import MARKER, TorchrunJob, agent_id, mark_run, run_shape
+from app.launch.launcher import TorchrunJob
+from app.launch.restarts import agent_id
 
 
 class ElasticRunFolder(Callback):
     """The run folder of a torchrun job with ``--max-restarts`` > 0; the CLI adds it (it is not one to leave out).
 
     Every rank decides, before the process group exists, whether its start continues an unfinished run of the job
-    (:func:`app.launch.restarts.run_of`). Rank 0 marks a new run's folder only here, once the process group has formed,
-    so no rank can find the mark of its own start and take it for an earlier one. The ranks then check that they
-    decided alike: a root that the nodes do not share would otherwise have them issue different collectives.
+    (:func:`app.checkpoints.run_folders.run_of`). Rank 0 marks a new run's folder only here, once the process group
+    has formed, so no rank can find the mark of its own start and take it for an earlier one. The ranks then check
+    that they decided alike: a root that the nodes do not share would otherwise have them issue different collectives.
     """
 
     def __init__(self, job: TorchrunJob, claimed: list[Path], continued: dict[Path, int], ckpt_path: str | None):
@@ -54,15 +56,15 @@ class ElasticRunFolder(Callback):
             # start: with the first start's global batch, not the one this world size gives by itself.
             root, version = next(iter(self.continued.items()))
             shape = run_shape(root / f"version_{version}")
-            for elastic in trainer.callbacks:
-                if isinstance(elastic, Elastic) and shape:
-                    elastic.started_as = shape
+            if shape:  # for the Elastic callback (app/callbacks/stop_plan.py)
+                stop_plan(trainer).first_shape = shape
 
     @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if self.claimed and trainer.is_global_zero and not self._shape_recorded:
             self._shape_recorded = True  # once: the first start's shape, which the Elastic callback knows by now
-            shape = next((c.state_dict() for c in trainer.callbacks if isinstance(c, Elastic)), None)
+            elastic = stop_plan(trainer).survivor_save
+            shape = None if elastic is None else elastic.state_dict()
             for folder in self.claimed:
                 mark_run(folder, self.job, agents=self.agents, shape=shape)
 
