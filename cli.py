@@ -9,8 +9,6 @@ python cli.py fit --model=mypkg.MyModel --data=mypkg.MyData        # any task by
 python cli.py --help
 """
 
-from app.run.cli import main
-
 # The task a run trains when the command line names no class, and its own subcommands beside Lightning's and plot
 # (name: its module, which has a main(argv), and what --help says of it). A fork that makes its own task the default
 # changes these; nothing under app/ changes.
@@ -24,4 +22,9 @@ TOOLS = {
 }
 
 if __name__ == "__main__":
+    from app.launch.startup import check_torchvision
+
+    check_torchvision()  # a torch/torchvision mismatch in one line, before app.run.cli imports Lightning
+    from app.run.cli import main
+
     main(model=MODEL, data=DATA, tools=TOOLS)

@@ -37,8 +37,10 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    its own ``FSDPStrategy`` registered (``"fsdp"``) unless the accelerator is a GPU; the template's ``fsdp``
    (app/strategies/fsdp.py) runs on CPU too, so the name leaves that list when the template takes it over.
 
-Private names of torch, Lightning, torchvision and argparse used elsewhere in ``app/`` and in ``bench/`` are listed
-in :data:`PRIVATE_USES`, each with the class or module that has it and why: the strategies' launcher protocol, and a
+Private names of torch, Lightning, torchvision and argparse used elsewhere in the machinery (``app/``) and in
+``bench/`` are listed in :data:`PRIVATE_USES`, each with the class or module that has it and why (a task lists its
+own, in the same form, as ``PRIVATE_USES`` in its package's ``__init__.py``: a fork that replaces the task replaces
+its list): the strategies' launcher protocol, and a
 few that no public API replaces (private string keys included: ``"_class_path"``). Library objects whose public
 methods or attributes the template patches at run time are listed in :data:`RUN_TIME_PATCHES`.
 ``tests/test_lightning_internals.py`` reads every file's syntax tree (tests/private_api.py) and fails on a use that
@@ -100,11 +102,6 @@ PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
         "lightning.pytorch.strategies:DDPStrategy",
         "DDP built on the forwards' stream, as torch advises for compiled backward passes",
     ),
-    # ddp_spawn is DDPStrategy with _start_method "spawn"; its strategy_name attribute says "ddp" for both.
-    ("app/callbacks/run_report.py", "_start_method"): (
-        "lightning.pytorch.strategies:DDPStrategy",
-        "to name ddp_spawn in the run report",
-    ),
     # LightningCLI's step that reads a checkpoint's hyperparameters into the config (item 5 above).
     ("app/run/resume.py", "_parse_ckpt_path"): ("lightning.pytorch.cli:LightningCLI", "the --ckpt_path rule"),
     # jsonargparse keeps its arguments in argparse's list; neither has a public one.
@@ -143,11 +140,6 @@ PRIVATE_USES: dict[tuple[str, str], tuple[str, str]] = {
         "torch.distributed.pipelining.stage",
         "the stages' common base, whose communication the bench times",
     ),
-    # torchvision's ResNet builds its stages with _make_layer; resnet_tiny builds narrower ones the same way.
-    ("app/fashion_mnist/networks.py", "_make_layer"): (
-        "torchvision.models.resnet:ResNet",
-        "a stage as ResNet builds it",
-    ),
 }
 
 # (file, public name) -> (the library class whose attribute or method is replaced on a live object, and why): each
@@ -181,11 +173,11 @@ RUN_TIME_PATCHES: dict[tuple[str, str], tuple[str, str]] = {
         "lightning.pytorch.cli:SaveConfigCallback",
         "a restart writes config.restartN.yaml beside the first start's config.yaml",
     ),
-    ("app/strategies/pipeline.py", "log"): (
+    ("app/strategies/pipeline_stages.py", "log"): (
         "lightning.pytorch.core.module:LightningModule",
         "the step run only to find the network's input logs nothing",
     ),
-    ("app/strategies/pipeline.py", "log_dict"): (
+    ("app/strategies/pipeline_stages.py", "log_dict"): (
         "lightning.pytorch.core.module:LightningModule",
         "the step run only to find the network's input logs nothing",
     ),
@@ -394,6 +386,12 @@ def spawned_ranks_launcher(strategy):
     """The launcher of a ``ddp_spawn`` run (Lightning's own: not the horovod self-launch's subclass), or None."""
     launcher = getattr(strategy, "launcher", None)
     return launcher if type(launcher) is _MultiProcessingLauncher else None
+
+
+def start_method(strategy) -> str | None:
+    """How a strategy of Lightning's DDP family starts its ranks (``popen``, ``spawn``, ``fork``, ...), or None: the
+    start method is an ``__init__`` argument Lightning keeps only privately."""
+    return getattr(strategy, "_start_method", None)
 
 
 def free_strategy_name(name: str) -> None:

@@ -63,10 +63,13 @@ def _worker(args) -> None:
     from torch.distributed.pipelining import schedules as pipelining_schedules
     from torch.distributed.pipelining import stage as pipelining_stage
 
-    import app  # noqa: F401  (registers fsdp and pipeline)
     from app.fashion_mnist.data import FashionMNISTDataModule
     from app.fashion_mnist.model import ImageClassifier
-    from app.strategies import PipelineStrategy
+    from app.launch import startup
+    from app.strategies import PipelineStrategy, register
+
+    startup.install()  # what cli.py's main does first: the filters, the exit hook, and the names fsdp and pipeline
+    register()
 
     busy = {"seconds": 0.0, "schedule": 0.0}
     probes = [

@@ -1,7 +1,7 @@
 """A user's script whose ranks leave an asynchronous gloo all-reduce unfinished when they exit (a test fixture).
 
 Without ``app.launch.process_group``'s exit handler most runs of this end with a rank aborted by
-``terminate called without an active exception``; ``import app`` must make every rank exit 0.
+``terminate called without an active exception``; ``app.launch.startup.install()`` must make every rank exit 0.
 """
 
 import sys
@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import app  # noqa: F401  (what every script of the template imports)
+from app.launch import startup
+
+startup.install()  # at the top: each spawned rank imports this script again, and never runs its __main__
 
 
 def rank_main(rank: int, world_size: int, port: int) -> None:

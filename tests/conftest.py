@@ -24,6 +24,12 @@ def pytest_configure(config):
     from tests import budget
 
     budget.register(config)  # the suite's time budget and expected skips (tests/budget.py)
+    # What cli.py's main sets up first, once for the tests that train in this process: importing app sets up nothing.
+    from app.launch import startup
+    from app.strategies import register
+
+    startup.install()
+    register()
 
 
 @pytest.fixture
@@ -34,9 +40,9 @@ def workdir(tmp_path, monkeypatch) -> Path:
 
 
 def pytest_runtest_setup(item):
-    """The filters ``import app`` installs (app/launch/library_noise.py), again for each test (its fixtures included):
-    pytest resets the warning filters around every test, so without this in-process runs would show warnings users never
-    see."""
+    """The filters ``app.launch.startup.install()`` installed (app/launch/library_noise.py), again for each test (its
+    fixtures included): pytest resets the warning filters around every test, and that install() acts once per
+    process, so without this in-process runs would show warnings users never see."""
     import app.launch.library_noise
 
     app.launch.library_noise.install()

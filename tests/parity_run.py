@@ -14,12 +14,15 @@ import sys
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-import app  # noqa: F401  (registers dp and horovod)
 from app.callbacks import ActivationCheckpointing, DDPCommHook, LRWarmup, SyncBatchNorm
+from app.launch import startup
+from app.strategies import register as register_strategies
 from tests.tiny import TinyClassifier, TinyData
 
 
 def main(argv: list[str] | None = None) -> None:
+    startup.install()  # what cli.py's main does first: the filters, the exit hook, the strategy names
+    register_strategies()
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--strategy", default="auto")

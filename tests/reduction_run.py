@@ -15,6 +15,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from app.launch import startup
 from app.strategies import HorovodStrategy
 
 STEPS, BATCH, LR, MOMENTUM = 3, 4, 0.5, 0.9
@@ -77,6 +78,7 @@ class Record(Callback):
 
 
 def main(out_dir: Path) -> None:
+    startup.install()  # as cli.py's main: the filters and the exit hook that destroys the process group
     for name, variant in VARIANTS.items():
         seed_everything(1234 + len(name))  # another start for each variant
         strategy_args = {k: v for k, v in variant.items() if k != "accumulate"}

@@ -311,7 +311,9 @@ USER_SCRIPT = """
     from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
-    import app  # noqa: F401  (registers the horovod strategy)
+    from app.strategies import register
+
+    register()  # puts horovod (and dp, fsdp, pipeline) in Lightning's StrategyRegistry
 
     # Parsed at import, as many scripts do: each rank imports this module again and must see the same arguments.
     parser = argparse.ArgumentParser()

@@ -23,7 +23,7 @@ from torch import nn
 from app.callbacks import DDPCommHook
 from app.errors import UserError
 from app.strategies import FSDPStrategy, PipelineStrategy
-from app.strategies.pipeline import _Pipeline, balanced, layers_of, network_of
+from app.strategies.pipeline_stages import PipelineStages, balanced, layers_of, network_of
 from app.task import match_modules
 from tests import warm
 from tests.conftest import ROOT, TINY_CONFIG
@@ -320,7 +320,7 @@ def test_a_network_the_pipeline_cannot_cut_is_one_line():
         layers_of(nn.GRU(2, 2))
     strategy = type("S", (), {"stages": 8, "balance": None})()
     with pytest.raises(UserError, match="8 stages, but the network has 7 layers to deal out"):
-        _Pipeline(strategy, TinyClassifier())
+        PipelineStages(strategy, TinyClassifier())
 
 
 def test_clipping_by_norm_is_refused_under_a_pipeline():

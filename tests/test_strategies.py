@@ -117,8 +117,9 @@ def test_bf16_mixed_trains_like_one_device_and_computes_in_bf16_everywhere(parit
 @pytest.mark.slow
 def test_ranks_exit_0_with_a_gloo_collective_still_in_flight():
     """Lightning destroys only nccl groups at exit; a gloo group busy at exit aborted ranks ("terminate called
-    without an active exception", exit -6: a ddp_spawn parity run failed so in the suite). ``import app`` destroys
-    the group before the interpreter shuts down. Without it, 2 of 3 two-rank runs of this script failed here."""
+    without an active exception", exit -6: a ddp_spawn parity run failed so in the suite).
+    ``app.launch.startup.install()`` destroys the group before the interpreter shuts down. Without it, 2 of 3 two-rank
+    runs of this script failed here."""
     script = Path(__file__).with_name("busy_group_at_exit.py")
     result = subprocess.run(
         [sys.executable, str(script), "4", str(find_free_network_port())],
@@ -365,26 +366,43 @@ def test_dp_on_one_device_is_the_single_device_run(monkeypatch, tmp_path):
 
 # ---------------------------------------------------------- the strategy contract (app/parallelism.py)
 def test_each_strategy_states_its_parallelism_or_is_read_as_plain_data_parallel():
+    from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
     from app.loader import devices_per_batch
-    from app.parallelism import FIELDS, DataParallel, parallelism
+    from app.parallelism import FIELDS, parallelism
     from app.strategies import FSDPStrategy, PipelineStrategy
+
+    def layout(strategy) -> tuple:
+        view = parallelism(strategy)
+        return tuple(getattr(view, name) for name in FIELDS)
 
     for cls in (DataParallelStrategy, FSDPStrategy, PipelineStrategy):  # the template's that differ: all four
         assert all(hasattr(cls, name) for name in FIELDS), cls
     dp = DataParallelStrategy(parallel_devices=[torch.device("cpu")] * 3)
-    assert parallelism(dp) is dp and (dp.devices_per_process, dp.stages, dp.data_parallel_size) == (3, 1, 1)
-    assert devices_per_batch(dp) == 3 and not dp.sharded
+    assert layout(dp) == (3, 1, 1, False) and devices_per_batch(dp) == 3
+    assert parallelism(dp).starts_own_workers and parallelism(dp).label == "dp"
     for plain in (DDPStrategy(), SingleDeviceStrategy(torch.device("cpu")), HorovodStrategy()):
-        assert parallelism(plain) == DataParallel(data_parallel_size=plain.world_size)
-        assert devices_per_batch(plain) == 1
+        assert layout(plain) == (1, 1, plain.world_size, False)
+        assert devices_per_batch(plain) == 1 and not parallelism(plain).starts_own_workers
+        assert parallelism(plain).sync_batchnorm_layer is None  # (horovod's mpi backend here: torch's layer)
 
-    class TwoStages(DDPStrategy):  # a user's strategy that states one field differently states all four
+    # what the callbacks ask instead of looking at the strategy's class
+    assert parallelism(DDPStrategy()).refusals == {} and parallelism(FSDPStrategy()).refusals.keys() == {"comm_hook"}
+    assert "compression=fp16" in parallelism(HorovodStrategy()).refusals["comm_hook"]
+    assert "comm_hook" in parallelism(SingleDeviceStrategy(torch.device("cpu"))).refusals  # no DDP wrapper to hook
+    assert parallelism(PipelineStrategy()).refusals.keys() == {"sync_batchnorm", "comm_hook"}
+    spawn = Trainer(strategy="ddp_spawn", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
+    assert parallelism(spawn.strategy).label == "ddp_spawn" and parallelism(spawn.strategy).starts_own_workers
+    assert parallelism(SingleDeviceStrategy(torch.device("cpu"))).label == "single_device"
+
+    class TwoStages(DDPStrategy):  # a user's strategy states what differs; the rest keeps its default
         devices_per_process, stages, sharded = 1, 2, True
+        label = "two_stages"
 
         @property
         def data_parallel_size(self) -> int:
             return self.world_size // 2
 
     assert devices_per_batch(TwoStages()) == 2 and parallelism(TwoStages()).sharded
+    assert parallelism(TwoStages()).label == "two_stages" and parallelism(TwoStages()).refusals == {}

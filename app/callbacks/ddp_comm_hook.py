@@ -20,15 +20,13 @@ from typing import Literal
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from app.errors import UserError
-from app.strategies.fsdp import FSDPStrategy
-from app.strategies.pipeline import PipelineStrategy
+from app.parallelism import parallelism
 
 Hook = Literal["fp16", "bf16", "powersgd"]
 
@@ -54,19 +52,11 @@ class DDPCommHook(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         several = trainer.world_size > 1 or trainer.num_devices > 1
-        plain_ddp = isinstance(trainer.strategy, DDPStrategy) and not isinstance(
-            trainer.strategy, FSDPStrategy | PipelineStrategy
-        )
-        if stage == "fit" and several and not plain_ddp:
+        refusal = parallelism(trainer.strategy).refusals.get("comm_hook")
+        if stage == "fit" and several and refusal:
             name = type(trainer.strategy).__name__
-            instead = {
-                "HorovodStrategy": "the horovod strategy compresses with --trainer.strategy.compression=fp16|bf16",
-                "FSDPStrategy": "fsdp reduce-scatters its own gradients, in bfloat16 with "
-                "--trainer.strategy.reduce_dtype=bfloat16",
-                "PipelineStrategy": "a pipeline's stages send activations, and average gradients only over replicas",
-            }.get(name, "use --trainer.strategy=ddp to compress what the processes exchange")
             raise UserError(
-                f"app.callbacks.DDPCommHook works with --trainer.strategy=ddp or ddp_spawn, not {name}; {instead}"
+                f"app.callbacks.DDPCommHook works with --trainer.strategy=ddp or ddp_spawn, not {name}; {refusal}"
             )
 
     @override

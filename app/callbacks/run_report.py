@@ -2,12 +2,12 @@
 
 Each epoch prints one line, like d2l's::
 
-    epoch 3 | train loss 0.4120 | val acc 0.8712 | 12.3 s | 4,567 samples/s | 3.7 ms/step | 2 x cuda (ddp)
+    epoch 3 | train loss 0.4120 | val loss 0.3871 | 12.3 s | 4,567 samples/s | 3.7 ms/step | 2 x cuda (ddp)
 
 (the train loss is the epoch's mean loss per sample, whatever ``accumulate_grad_batches``, over the batches this run
 trained: an epoch taken up part-way by a resume says ``train loss 0.4120 (since the resume)``; the validation figure
 is the metric the task's ``spec.monitor`` names; samples are what ``spec.samples`` counts: images, sequences, ...;
-a data module's ``epoch_note`` ends every line, e.g. ``| SYNTHETIC data, not Fashion-MNIST``: see app/task.py)
+a data module's ``epoch_note`` ends every line, e.g. ``| SYNTHETIC data``: see app/task.py)
 
 ``ms/step`` is the epoch's median time from one optimizer step's first batch to the next's (between validations): on a
 GPU between CUDA events, read at the epoch's end, so nothing waits inside the epoch. A regression in the step
@@ -20,8 +20,8 @@ the run (the epoch lines' ``ms/step``, over all of them), samples/s and peak mem
 Under ``dp`` device 0 holds the master weights and gathers every output, so its peak memory stands above the
 others'; under ``ddp`` the rows are even. Where ``torch.compile`` ran during training, a line follows with what it
 did in the fit (its sanity check included): graphs compiled, recompiles, graph breaks and CUDA graphs skipped
-(``--model.compile=true`` compiles one graph per batch shape and grad mode; more recompiles or any graph break is
-worth a look).
+(a network compiled with fixed shapes compiles one graph per batch shape and grad mode; more recompiles or any
+graph break is worth a look).
 """
 
 from __future__ import annotations
@@ -144,14 +144,14 @@ class RunReport(Callback):
         if samples:  # resumed mid-epoch: the loss of the batches this run trained, which the line says
             resumed = " (since the resume)" if self._first_batch else ""
             parts.append(f"train loss {loss_sum / samples:.4f}{resumed}")
-        monitor = spec_of(pl_module).monitor  # the task's headline metric (val/acc -> "val acc 0.8712")
+        monitor = spec_of(pl_module).monitor  # the task's headline metric (val/loss -> "val loss 0.3871")
         value = trainer.callback_metrics.get(monitor) if monitor else None
         if value is not None:
             parts.append(f"{monitor.replace('/', ' ').replace('_', ' ')} {float(value):.4f}")
         devices = (
             f"{max(trainer.num_devices * trainer.num_nodes, trainer.world_size)} x {trainer.strategy.root_device.type}"
         )
-        note = [n] if (n := epoch_note(trainer.datamodule)) else []  # what the data module says of its data
+        note = [n] if (n := epoch_note(pl_module, trainer.datamodule)) else []  # what the data module says of its data
         if not samples:  # resumed (a restart, a stop in validation) after the epoch's last training batch
             console_print(
                 trainer,
@@ -330,6 +330,4 @@ def _peak_bytes(device: torch.device) -> float:
 
 
 def strategy_name(trainer: Trainer) -> str:
-    strategy = trainer.strategy
-    name = getattr(strategy, "strategy_name", None) or type(strategy).__name__.removesuffix("Strategy").lower()
-    return f"{name}_spawn" if getattr(strategy, "_start_method", None) == "spawn" else name
+    return parallelism(trainer.strategy).label

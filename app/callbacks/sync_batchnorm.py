@@ -33,7 +33,6 @@ from typing_extensions import override
 from app.errors import TemplateWarning, UserError
 from app.lightning_internals import drop_layer_sync
 from app.parallelism import parallelism
-from app.strategies.pipeline import PipelineStrategy
 
 
 class SyncBatchNorm(Callback):
@@ -51,11 +50,10 @@ class SyncBatchNorm(Callback):
                 category=TemplateWarning,
             )
             return
-        if isinstance(strategy, PipelineStrategy):  # whatever its stages: it normalises micro-batches
-            raise UserError(
-                "SyncBatchNorm does not work with --trainer.strategy=pipeline: each stage holds other BatchNorm layers "
-                "and normalises micro-batches; use a batch-independent norm (GroupNorm, LayerNorm) or leave it out"
-            )
+        refusal = parallelism(strategy).refusals.get("sync_batchnorm")  # a pipeline's, whatever its stages
+        if refusal:
+            label = parallelism(strategy).label
+            raise UserError(f"SyncBatchNorm does not work with --trainer.strategy={label}: {refusal}")
         if trainer.world_size == 1:
             rank_zero_info("SyncBatchNorm: one process, nothing to synchronize; BatchNorm layers left as they are.")
             return
@@ -69,10 +67,9 @@ class SyncBatchNorm(Callback):
 
 def sync_batchnorm_class(strategy) -> tuple[type[_BatchNorm], str]:
     """The synchronized BN layer that works for this strategy's backend and device."""
-    if getattr(strategy, "backend", None) == "horovod":
-        import horovod.torch as hvd
-
-        return hvd.SyncBatchNorm, "horovod.torch.SyncBatchNorm"
+    own = parallelism(strategy).sync_batchnorm_layer  # the one its backend needs (horovod's)
+    if own is not None:
+        return own
     if strategy.root_device.type in ("cuda", "xpu"):
         return nn.SyncBatchNorm, "torch.nn.SyncBatchNorm"
     return AllReduceBatchNorm, "AllReduceBatchNorm over torch.distributed.all_reduce"

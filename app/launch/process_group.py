@@ -5,7 +5,8 @@ finished its work: gloo's worker threads may still hold an asynchronous collecti
 all-reduce, a gradient bucket), and releasing it while the interpreter is being torn down ends in
 ``terminate called without an active exception`` (SIGABRT, exit -6), which a launcher reports as a failed rank
 (pytorch/pytorch#190489). Seen here on ddp_spawn ranks and torchrun workers under load; with a group left busy at
-exit it happens in most runs (``tests/test_strategies.py``). Registered on ``import app``, so in every rank.
+exit it happens in most runs (``tests/test_strategies.py``). Registered by :func:`app.launch.startup.install`, which
+every rank calls.
 """
 
 import atexit

@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from app.errors import UserError
 from app.launch.launcher import mpi_world_size
+from app.parallelism import configured_to_start_own_workers, parallelism
 from app.run.arguments import Parser
 from app.task import import_class
 
@@ -63,7 +64,7 @@ def check_strategy_name(strategy) -> None:
             f"--trainer.strategy={strategy!r} is not a strategy.{hint} Available: {', '.join(ours)}; and Lightning's "
             f"{', '.join(others)} (docs/strategies.md)"
         )
-    if strategy in ("dp", "ddp_spawn") and mpi_world_size() > 1:
+    if configured_to_start_own_workers(strategy) and mpi_world_size() > 1:  # dp, ddp_spawn, ddp_fork, ddp_notebook
         raise UserError(
             f"--trainer.strategy={strategy} starts its own workers, but this process is one of {mpi_world_size()} MPI "
             "ranks; under mpirun/horovodrun use --trainer.strategy=horovod (or ddp with one rank per device)"
@@ -105,7 +106,7 @@ def cpu_oversubscription(trainer: Trainer, cores: int | None = None) -> str | No
     devices = trainer.num_devices
     if not isinstance(trainer.accelerator, CPUAccelerator) or devices <= cores:
         return None
-    one_process = getattr(trainer.strategy, "strategy_name", None) == "dp"  # its replicas are threads
+    one_process = parallelism(trainer.strategy).devices_per_process > 1  # dp: its replicas are threads
     what = "threads of one process" if one_process else "processes"
     return (
         f"--trainer.devices={devices}: {devices} CPU devices on {cores} cores; the {what} take turns on the cores, "
@@ -202,7 +203,7 @@ def _where(err: BaseException) -> str:
 
 
 def task_classes(argv: list[str], model: str | type | None, data: str | type | None) -> dict:
-    """LightningCLI's class arguments: the default task's classes, fixed (flat ``--model.arch``, flat YAML), unless
+    """LightningCLI's class arguments: the default task's classes, fixed (flat ``--model.ARG``, flat YAML), unless
     the command line names another class, which then works as in any LightningCLI (``--model=pkg.Class
     --model.hidden=64``; its own defaults, none of the default class's). With no default, the command line must
     name the class."""

@@ -25,19 +25,23 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-import app  # noqa: F401  (registers the dp and horovod strategies)
 from app.callbacks import RankWatchdog
 from app.callbacks.elastic import ElasticRunFolder
+from app.callbacks.stop_plan import in_order, stop_plan
 from app.checkpoints.io import SafeCheckpointIO
-from app.checkpoints.run_folders import check_writable, claim_versions, release_if_unused, release_made_folders
+from app.checkpoints.run_folders import (
+    check_writable,
+    claim_versions,
+    continue_run_folder,
+    release_if_unused,
+    release_made_folders,
+)
 from app.errors import TemplateWarning, UserError
+from app.launch import startup
 from app.launch.host_address import check_reachable
 from app.launch.launcher import first_on_node, is_first_process, launcher_ranks, one_gpu_per_rank, torchrun_job
 from app.launch.library_noise import HeldRecords
-from app.launch.restarts import (
-    continue_run_folder,
-    take_launcher_numbers,
-)
+from app.launch.restarts import take_launcher_numbers
 from app.launch.signals import pass_sigterm_to_spawned_ranks, stopped_exit_code
 from app.run.arguments import (
     Parser,
@@ -62,6 +66,7 @@ from app.run.resume import (
     CkptPathRule,
     check_loggerless_root,
 )
+from app.strategies import register as register_strategies
 from app.strategies.horovod import HorovodStrategy
 from app.task import spec_of
 
@@ -146,20 +151,21 @@ class CLI(CkptPathRule, LightningCLI):
         if self._seed_line is not None:
             self._seed_line.release()
         data = self._init_args(self._subconfig(self.config), "data")
-        if data is not None and isinstance(data.get("data_dir"), str):
+        folder = spec_of(self.model).data_folder  # the data module's folder argument, as the task names it
+        if data is not None and folder and isinstance(data.get(folder), str):
             # config.yaml (written at setup) names the files this run read, whichever folder it runs again from;
             # the data module and its messages keep the folder as given
-            data.data_dir = os.path.abspath(os.path.expanduser(data.data_dir))
+            setattr(data, folder, os.path.abspath(os.path.expanduser(data.get(folder))))
 
     @override
     def add_arguments_to_parser(self, parser) -> None:
         defaults = {"trainer.max_epochs": 10, "trainer.logger": default_loggers()}
-        # A model that takes --model.optimizer may name its default (the example task: SGD), shown in --help and
+        # A model that takes --model.optimizer may name its default (TaskSpec.default_optimizer), shown in --help and
         # recorded in config.yaml. Only for a class fixed in advance: under --model=pkg.Class a default set here
         # would carry over into another class's arguments.
-        optimizer = getattr(self.model_class, "default_optimizer", None)
+        optimizer = spec_of(self.model_class).default_optimizer
         if not self.subclass_mode_model and optimizer and "optimizer" in init_parameters(self.model_class):
-            defaults["model.optimizer"] = optimizer
+            defaults["model.optimizer"] = dict(optimizer)
         parser.set_defaults(defaults)
         # On in every run: --watchdog.timeout=SECONDS (see app/callbacks/rank_watchdog.py).
         parser.add_lightning_class_args(RankWatchdog, "watchdog")
@@ -226,7 +232,7 @@ class CLI(CkptPathRule, LightningCLI):
             self.save_config_callback = None  # no run folder for config.yaml: it would go into the root itself
         own = list(config.trainer.get("callbacks") or [])
         drop = config.get("drop_callbacks") or []
-        kwargs["callbacks"] = default_callbacks(config.trainer, own, drop, spec_of(self.model)) + own
+        kwargs["callbacks"] = in_order(default_callbacks(config.trainer, own, drop, spec_of(self.model)), own)
         if self._elastic_run is not None:
             kwargs["callbacks"].insert(0, self._elastic_run)  # its setup's check comes before any other collective
         try:
@@ -249,9 +255,8 @@ class CLI(CkptPathRule, LightningCLI):
             rank_zero_warn(oversubscribed, category=TemplateWarning)
         # Atomic checkpoint writes and weights_only loads, whatever the strategy.
         trainer.strategy.checkpoint_io = SafeCheckpointIO(allow_remote=bool(config.get("allow_remote_ckpt")))
-        for watchdog in trainer.callbacks:
-            if isinstance(watchdog, RankWatchdog):  # a lost rank before the first step leaves no empty run folder
-                watchdog.before_exit.append(lambda: trainer.global_step == 0 and release_if_unused(self._claimed))
+        # a rank lost before the first step leaves no empty run folder (the rank watchdog runs it before it ends)
+        stop_plan(trainer).before_exit.append(lambda: trainer.global_step == 0 and release_if_unused(self._claimed))
         return trainer
 
     # ``LightningCLI`` calls ``before_<subcommand>`` just before ``trainer.<subcommand>(ckpt_path=...)``.
@@ -298,13 +303,17 @@ def main(
     trains when the command line names no class; None: the command line must name one), or any other LightningModule
     and LightningDataModule that the command line names by class path. ``tools``: more subcommands of the task's
     own, ``{name: (module with a main(argv), what --help says of it)}``, beside the machinery's :data:`TOOLS`."""
+    startup.install()  # importing app set up nothing: the program does
+    register_strategies()
     argv = sys.argv[1:] if args is None else list(args)
     tools = {**TOOLS, **(tools or {})}
     try:
         check_config_files(argv)
         check_class_imports(argv)
         if argv and argv[0] in tools:
-            importlib.import_module(tools[argv[0]][0]).main(argv[1:])
+            tool = importlib.import_module(tools[argv[0]][0])
+            # the machinery's own tools (plot) are told the default task, whose spec they read; a task's take argv
+            tool.main(argv[1:], **({"model": model} if TOOLS.get(argv[0]) == tools[argv[0]] else {}))
             return None
         check_subcommand(argv, [*LightningCLI.subcommands(), *tools])
         return CLI(

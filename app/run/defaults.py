@@ -28,11 +28,14 @@ from jsonargparse import Namespace
 from lightning.pytorch.loggers import CSVLogger
 
 from app.callbacks import RankWatchdog
+from app.callbacks.stop_plan import in_order
 from app.checkpoints.io import SafeCheckpointIO
 from app.checkpoints.run_folders import claim_versions
 from app.errors import UserError
+from app.launch import startup
 from app.run.loggers import TensorBoardLogger
 from app.run.resume import newest_last_ckpt
+from app.strategies import register as register_strategies
 from app.task import DEFAULT_SPEC, TaskSpec, import_class, spec_of
 
 __all__ = ["default_callbacks", "default_loggers", "last_checkpoint", "trainer_defaults"]
@@ -58,13 +61,23 @@ def trainer_defaults(
         logger: False: no loggers and no run folder (checkpoints go into ``ROOT/checkpoints``).
         watchdog_timeout: ``--watchdog.timeout``: seconds without a sign of life before a rank counts as lost
             (default: the callback's, as in ``cli.py``; it was 60 here while ``cli.py`` gave 15).
+
+    It also does what ``cli.py``'s ``main`` does first, for a script that never runs it: installs the template's
+    warning filters and exit hook (:func:`app.launch.startup.install`) and registers the strategy names
+    (:func:`app.strategies.register`), so ``Trainer(**trainer_defaults(model), strategy="dp")`` works. Both are
+    no-ops when done already.
     """
+    startup.install()
+    register_strategies()
     own = list(callbacks or [])
     settings = {"logger": logger or None}
     built = default_callbacks(settings, own, list(drop_callbacks), spec_of(model))
     kwargs: dict[str, Any] = {
         "default_root_dir": str(default_root_dir),
-        "callbacks": [*built, *own, RankWatchdog() if watchdog_timeout is None else RankWatchdog(watchdog_timeout)],
+        "callbacks": [
+            *in_order(built, own),  # a default that must follow one of the run's own goes after it (stop_plan.ORDER)
+            RankWatchdog() if watchdog_timeout is None else RankWatchdog(watchdog_timeout),
+        ],
         "plugins": [SafeCheckpointIO()],
         "logger": False,
     }
@@ -101,7 +114,8 @@ DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.RunReport"},
     {"class_path": "app.callbacks.PredictionWriter"},
     # Elastic before Preemption: its record of each step's state must be taken before Preemption's collective (the
-    # stop flag's all-reduce, waited for in the same hook) can fail on a lost rank, else the survivor saves nothing
+    # stop flag's all-reduce, waited for in the same hook) can fail on a lost rank, else the survivor saves nothing.
+    # Checked for every trainer when the callbacks join its stop plan (app/callbacks/stop_plan.py: ORDER).
     {"class_path": "app.callbacks.Elastic"},
     {"class_path": "app.callbacks.Preemption"},
     {"class_path": "app.callbacks.RandomState"},  # each rank's generators in every checkpoint: exact resume
@@ -124,12 +138,12 @@ DEFAULT_CALLBACK_NAMES = [c["class_path"].rsplit(".", 1)[-1] for c in DEFAULT_CA
 
 
 def checkpoint_options(spec: TaskSpec) -> dict:
-    """The default ModelCheckpoint's settings for a task: the best by its monitored metric (``epoch=3-val_acc=0.9123
+    """The default ModelCheckpoint's settings for a task: the best by its monitored metric (``epoch=3-val_loss=0.3871
     .ckpt``), or without one the newest epoch's; ``last.ckpt`` always."""
     options = {"save_last": True, "auto_insert_metric_name": False}
     if spec.monitor is None:
         return {**options, "filename": "epoch={epoch}-step={step}"}
-    safe = re.sub(r"[^\w.-]", "_", spec.monitor)  # val/acc -> val_acc: no folder in the file name
+    safe = re.sub(r"[^\w.-]", "_", spec.monitor)  # val/loss -> val_loss: no folder in the file name
     filename = f"epoch={{epoch}}-{safe}={{{spec.monitor}:.4f}}"
     return {**options, "monitor": spec.monitor, "mode": spec.mode, "filename": filename}
 

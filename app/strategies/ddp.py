@@ -43,6 +43,27 @@ class DDPStrategy(LightningDDPStrategy):
     def __init__(self, *args: Any, gradient_as_bucket_view: bool = True, **kwargs: Any) -> None:
         super().__init__(*args, gradient_as_bucket_view=gradient_as_bucket_view, **kwargs)
 
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Take over ``ddp`` and ``ddp_spawn`` from Lightning's class, keeping its launch method for each (Lightning's
+        own other ``ddp_*`` names stay its own)."""
+        for name, start_method in (("ddp", "popen"), ("ddp_spawn", "spawn")):
+            lightnings = dict.get(strategy_registry, name, {})  # the entry: the registry's own .get() builds one
+            if lightnings.get("strategy") is not cls:
+                base = lightnings.get("description", f"DDP strategy with `start_method` '{start_method}'")
+                description = f"{base}; gradients as bucket views, no DDP wrapper in a world of one"
+                strategy_registry.register(name, cls, description, override=True, start_method=start_method)
+
+    @override
+    def setup_environment(self) -> None:
+        # A rank's first hook: ddp_spawn's ranks never run cli.py's main, so they install the template's exit hook
+        # and filters here (once per process: a no-op where main or trainer_defaults already did).
+        from app.launch.startup import install
+
+        install()
+        super().setup_environment()
+
     @override
     def configure_ddp(self) -> None:
         if self.world_size == 1:  # nothing to reduce: the LightningModule trains as on one device

@@ -42,6 +42,14 @@ from app.launch.launcher import mpi_world_size
 
 class DataParallelStrategy(ParallelStrategy):
     strategy_name = "dp"
+    starts_own_workers = True  # its replicas are threads of this one process (app/parallelism.py)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``dp``, the name Lightning 2.0 removed (ours alone: registering it again changes nothing)."""
+        description = "torch.nn.DataParallel: one process, the batch split across devices"
+        strategy_registry.register("dp", cls, description=description, override=True)
 
     def __init__(self, accelerator=None, parallel_devices=None, checkpoint_io=None, precision_plugin=None) -> None:
         super().__init__(
@@ -115,7 +123,7 @@ class DataParallelStrategy(ParallelStrategy):
         if compiled:
             raise UserError(
                 f"--trainer.strategy=dp cannot run a compiled module ({compiled[0]}: torch.compile, or the task's "
-                "compile option such as --model.compile=true): dp rebuilds its replicas every step; use ddp or one "
+                "own compile option): dp rebuilds its replicas every step; use ddp or one "
                 "device"
             )
         self.model.to(self.root_device)

@@ -44,6 +44,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from app.errors import UserError
+from app.lightning_internals import free_strategy_name
 from app.strategies.model_parallel import SplitModelStrategy
 from app.task import match_modules, spec_of
 
@@ -52,7 +53,25 @@ DType = Literal["float32", "bfloat16", "float16", "float64"]
 
 class FSDPStrategy(SplitModelStrategy):
     strategy_name = "fsdp"
+    refusals = {
+        "comm_hook": "fsdp reduce-scatters its own gradients, in bfloat16 with --trainer.strategy.reduce_dtype=bfloat16"
+    }
     float16_reason = "the sharded gradients here"
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``fsdp``, taken over from Lightning's GPU-only FSDP1 strategy (still there by class path,
+        ``lightning.pytorch.strategies.FSDPStrategy``). Defined here also because the one inherited from Lightning's
+        DDPStrategy would register this class as ``ddp``."""
+        if "fsdp" not in strategy_registry or strategy_registry["fsdp"]["strategy"] is not cls:
+            strategy_registry.register(
+                "fsdp",
+                cls,
+                description="FSDP2: parameters, gradients and optimizer state sharded over the ranks (CPU and GPU)",
+                override=True,
+            )
+            free_strategy_name("fsdp")  # Lightning refuses the name on CPU otherwise (app/lightning_internals.py)
 
     def __init__(
         self,

@@ -73,6 +73,25 @@ def horovod_available() -> bool:
 
 class HorovodStrategy(ParallelStrategy):
     strategy_name = "horovod"
+    refusals = {"comm_hook": "the horovod strategy compresses with --trainer.strategy.compression=fp16|bf16"}
+
+    @property
+    def sync_batchnorm_layer(self) -> tuple[type, str] | None:
+        """With Horovod's backend, Horovod's own synchronized BatchNorm (app/parallelism.py); with the mpi backend
+        (a torch.distributed group) torch's, by device (None)."""
+        if self.backend != "horovod":
+            return None
+        import horovod.torch as hvd
+
+        return hvd.SyncBatchNorm, "horovod.torch.SyncBatchNorm"
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``horovod``, the name Lightning 2.0 removed (ours alone: registering it again changes nothing)."""
+        strategy_registry.register(
+            "horovod", cls, description="Horovod programming model over MPI (horovodrun / mpirun)", override=True
+        )
 
     def __init__(
         self,

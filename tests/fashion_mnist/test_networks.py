@@ -57,7 +57,7 @@ def test_the_pipeline_layers_compose_to_the_forward(arch):
     """What --trainer.strategy=pipeline deals to its stages (app/strategies/pipeline.py's layers_of reads them)."""
     from torch import nn
 
-    from app.strategies.pipeline import layers_of
+    from app.strategies.pipeline_stages import layers_of
 
     net = build_resnet(arch).eval()
     x = torch.randn(2, 1, 28, 28)

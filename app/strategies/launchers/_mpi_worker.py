@@ -7,16 +7,19 @@ import shutil
 import sys
 from pathlib import Path
 
-import app  # noqa: F401  (registers the strategies before anything is unpickled)
 from app.checkpoints.atomic import write_text
 from app.checkpoints.generators import set_generator_states
 from app.errors import Diverged, Preempted, UserError
+from app.launch import startup
 from app.launch.launcher import launcher_ranks
 from app.launch.signals import catch_early_signals, process_alive
+from app.strategies import register as register_strategies
 from app.strategies.launchers.mpirun import DIVERGED, PREEMPTED, USER_ERROR
 
 
 def main(job_path: str, result_path: str) -> None:
+    startup.install()  # as cli.py's main does: the filters, the warning format, the exit hook
+    register_strategies()  # before anything is unpickled: the caller's script, imported again, may name one
     workdir = Path(job_path).parent
     rank = (launcher_ranks() or (1, 0, 0, 1))[1]
     catch_early_signals()  # a stop sent while this rank starts is acted on once the trainer runs

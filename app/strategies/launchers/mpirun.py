@@ -30,10 +30,10 @@ from typing_extensions import override
 
 from app.checkpoints.atomic import atomic_write
 from app.checkpoints.generators import generator_states
+from app.checkpoints.run_folders import keep_metrics_for_restart
 from app.checkpoints.saved_state import MPI_LAUNCH_DIR, SAVED_STATE, saved_states
 from app.errors import Diverged, Preempted, UserError
-from app.launch.launcher import launcher_ranks
-from app.launch.restarts import MPI_RESTART, MPI_RESTARTS_LEFT, keep_metrics_for_restart
+from app.launch.launcher import MPI_RESTART, MPI_RESTARTS_LEFT, launcher_ranks, mpi_job_id, rendezvous_address
 from app.launch.signals import HUNG, StopSignals, process_alive
 from app.lightning_internals import ResultsLauncher, resume_from
 from app.strategies.launchers._reaper import kill_ranks, launch_running, rank_pids
@@ -83,23 +83,16 @@ class MPILaunchEnvironment(ClusterEnvironment):
                 with socket.socket() as s:
                     s.bind(("", 0))
                     port = s.getsockname()[1]
-                payload = (
-                    os.environ.get("MASTER_ADDR") or socket.gethostname(),
-                    int(os.environ.get("MASTER_PORT") or port),
-                )
+                address, given_port = rendezvous_address()
+                payload = (address or socket.gethostname(), given_port or port)
             else:
                 payload = None
             self._address, self._port = MPI.COMM_WORLD.bcast(payload, root=0)
-        elif "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-            self._address, self._port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        elif None not in rendezvous_address():
+            self._address, self._port = rendezvous_address()
         elif self._local_size == self._world_size:
-            job = (
-                os.environ.get("OMPI_MCA_ess_base_jobid")  # noqa: SIM112
-                or os.environ.get("PMIX_NAMESPACE")
-                or os.environ.get("PMI_ID", "")
-            )
             self._address = "127.0.0.1"
-            self._port = 20000 + int(hashlib.sha1(job.encode()).hexdigest(), 16) % 20000
+            self._port = 20000 + int(hashlib.sha1(mpi_job_id().encode()).hexdigest(), 16) % 20000
         else:
             raise UserError(
                 "--trainer.strategy=horovod across nodes needs mpi4py (pip install -e '.[mpi]') or MASTER_ADDR and "
