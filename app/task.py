@@ -49,9 +49,10 @@ class TaskSpec:
     """What a LightningModule tells the template about itself."""
 
     monitor: str | None = None
-    """The logged metric that ranks checkpoints (``--ckpt_path best``) and feeds ReduceLROnPlateau. ``None``: no
-    ranking, ``best`` is the newest checkpoint. A name the model never logs stops the run after the first
-    validation (the sanity check, when it runs) with one line, before any training is lost."""
+    """The logged metric that ranks checkpoints (``--ckpt_path best``) and names the run's headline score on its
+    epoch lines (a task's ``ReduceLROnPlateau`` may read it too, as the example's does). ``None``: no ranking,
+    ``best`` is the newest checkpoint. A name the model never logs stops the run after the first validation (the
+    sanity check, when it runs) with one line, before any training is lost."""
     mode: Literal["min", "max"] = "min"
     """Whether a larger (``max``) or smaller (``min``) ``monitor`` is better."""
     network: tuple[str, ...] = ()

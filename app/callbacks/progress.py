@@ -9,9 +9,9 @@ Two things in Lightning 2.6 make a GPU wait for the host at every training step 
 
 Reading a tensor's value on the host waits for the device to compute it, so the next step cannot be queued while
 the GPU works, and the redraw's host time is time the GPU idles. :class:`ProgressBar` draws at most every
-``refresh_seconds`` (and at each loop's first and last batch), and shows per-step values such as ``train/loss``
-by reading them from the trainer's ``callback_metrics`` when it draws, so they can be logged without
-``prog_bar=True``.
+``refresh_seconds`` (and at each loop's first and last batch), and shows the task's per-step values
+(``TaskSpec.step_values``: the example's ``train/loss``) by reading them when it draws, so they need not be logged
+with ``prog_bar=True``.
 
 Output that does not reach a terminal (a log file, a pipe) gets plain lines: rich tells by ``isatty()``, except
 under ``mpirun``, whose ranks all write to a pseudo-terminal of its own (see :func:`plain_under_the_launcher`).
@@ -137,6 +137,7 @@ class ProgressBar(RichProgressBar):
         refresh_seconds: Least time between two redraws. 0 redraws after every batch, as Lightning does.
         show: Values to show besides those logged with ``prog_bar=True``, read only when the bar redraws: from the
             module's latest training step's values (``TaskSpec.step_values``) when it has them, else logged ones.
+            Default: every one of the task's step values (the example's ``train/loss``).
         **kwargs: ``RichProgressBar``'s arguments (``leave``, ``theme``, ``console_kwargs``, ...).
     """
 
@@ -145,7 +146,7 @@ class ProgressBar(RichProgressBar):
         if refresh_seconds < 0:
             raise ValueError(f"refresh_seconds must be >= 0, got {refresh_seconds}")
         self.refresh_seconds = refresh_seconds
-        self.show = ["train/loss"] if show is None else list(show)
+        self.show = None if show is None else list(show)  # None: every value of the task's step_values
         self._drawn_at = float("-inf")
         self._trained_batches = 0
 
@@ -187,7 +188,7 @@ class ProgressBar(RichProgressBar):
         # where they are written or read: TaskSpec.step_values), then what was logged.
         latest = step_values(pl_module)
         logged = trainer.callback_metrics
-        for name in self.show:
+        for name in latest if self.show is None else self.show:
             value = latest.get(name, logged.get(name))
             if value is not None and name not in items:
                 items[name] = float(value)  # the one read of the device per redraw

@@ -96,7 +96,8 @@ def trainer_defaults(
 
 
 def last_checkpoint(default_root_dir: str | Path = ".") -> str | None:
-    """The newest ``last.ckpt`` under the root (``cli.py``'s ``--ckpt_path last``), or None when there is none."""
+    """The newest ``last.ckpt`` under the root, whatever run wrote it (``cli.py``'s ``--ckpt_path last`` prefers a
+    run with the same settings), or None when there is none."""
     root = Path(default_root_dir)
     found = newest_last_ckpt(root / "lightning_logs", root)
     return None if found is None else str(found)

@@ -5,12 +5,13 @@ Reads the run's ``metrics.csv`` (written by the CSV logger), joined to those of 
 writes ``plot.png`` in the same folder (``--out`` to choose another path). The panels are the task's
 (``TaskSpec.plot_panels``: its class is the one the run's config.yaml names, else ``cli.py``'s default task), then one
 of its per-epoch metrics that no panel names, then training samples/s from 0; a task whose class cannot be imported
-gets that generic plot of whatever metrics.csv holds. The per-step ``train/loss`` is drawn faintly under the epoch
-losses. Epochs are numbered as the console and the checkpoints number them (from 0); epoch e's per-step losses spread
-over e - 0.5 to e + 0.5. A ``cli.py test`` of one of the run's checkpoints (a later ``lightning_logs/version_N``
-whose config names it) is drawn as a dashed line with its score on the panel of the same metric (``test/loss`` on
-``val/loss``'s). The title says which data the run trained on (``TaskSpec.data_source``), in red when it was a
-stand-in (``TaskSpec.stand_in_data``). Needs matplotlib: ``pip install -e ".[plot]"``.
+gets that generic plot of whatever metrics.csv holds. A value logged per step beside its epoch mean (``X`` and
+``X_epoch``, the example's ``train/loss``) is drawn faintly under the epoch means. Epochs are numbered as the console
+and the checkpoints number them (from 0); epoch e's per-step values spread over e - 0.5 to e + 0.5. A ``cli.py test``
+of one of the run's checkpoints (a later ``lightning_logs/version_N`` whose config names it) is drawn as a dashed line
+with its score on the panel of the same metric (``test/loss`` on ``val/loss``'s). The title says which data the run
+trained on (``TaskSpec.data_source``), in red when it was a stand-in (``TaskSpec.stand_in_data``). Needs matplotlib:
+``pip install -e ".[plot]"``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from app.errors import UserError
 from app.task import TaskSpec, import_class, spec_of
 
 SPEED = ("images/s (training)", ("perf/images_per_s",))  # what the run report logs (app/callbacks/run_report.py)
-STEP_LOSS = "train/loss"  # logged every log_every_n_steps, drawn faintly under the epoch losses (train/loss_epoch)
 
 
 def _read_rows(metrics_csv: Path) -> list[dict[str, str]]:
@@ -99,7 +99,8 @@ def epoch_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
             continue
         epoch = int(_number(metrics_csv, row, "epoch"))
         for name, value in row.items():
-            if not value or name in ("epoch", "step", STEP_LOSS) or name.startswith("lr-"):
+            # (a value logged per step and per epoch, "X" beside "X_epoch": its steps are drawn under the epochs')
+            if not value or name in ("epoch", "step") or f"{name}_epoch" in row or name.startswith("lr-"):
                 continue
             if (metrics_csv, epoch) in seen[name]:
                 per_step.add(name)  # two values in one epoch of one run: logged per step
@@ -119,13 +120,14 @@ def panels(series: dict[str, list], spec: TaskSpec | None = None) -> list[tuple[
     return [p for p in known if p not in speed] + ([("metrics", others)] if others else []) + speed
 
 
-def step_losses(run_dir: Path) -> list[tuple[float, float]]:
-    """``[(x, loss), ...]`` of the per-step training loss: epoch e's steps over (e - 0.5, e + 0.5], around its point."""
+def step_series(run_dir: Path, name: str) -> list[tuple[float, float]]:
+    """``[(x, value), ...]`` of a value logged per step (the example's ``train/loss``, beside its epoch mean
+    ``train/loss_epoch``): epoch e's steps over (e - 0.5, e + 0.5], around the epoch's point."""
     per_epoch: dict[int, dict[int, float]] = defaultdict(dict)
     for metrics_csv, row in run_rows(run_dir):
-        if row.get(STEP_LOSS) and row.get("epoch") and row.get("step"):
+        if row.get(name) and row.get("epoch") and row.get("step"):
             epoch, step = int(_number(metrics_csv, row, "epoch")), int(_number(metrics_csv, row, "step"))
-            per_epoch[epoch][step] = _number(metrics_csv, row, STEP_LOSS)
+            per_epoch[epoch][step] = _number(metrics_csv, row, name)
     points = []
     for epoch, losses in sorted(per_epoch.items()):
         steps = sorted(losses)
@@ -240,8 +242,10 @@ def figure(run_dir: str | Path, model: str | type | None = None):
     fig, axes = plt.subplots(1, len(layout), figsize=(5 * len(layout), 3.8), constrained_layout=True, squeeze=False)
     axes = list(axes[0])
     for ax, (title, names) in zip(axes, layout, strict=True):
-        if f"{STEP_LOSS}_epoch" in names and (steps := step_losses(run_dir)):
-            ax.plot(*zip(*steps, strict=True), color="0.6", linewidth=0.8, alpha=0.6, label=f"{STEP_LOSS} (per step)")
+        for each_step in (name.removesuffix("_epoch") for name in names if name.endswith("_epoch")):
+            if steps := step_series(run_dir, each_step):
+                faint = {"color": "0.6", "linewidth": 0.8, "alpha": 0.6}
+                ax.plot(*zip(*steps, strict=True), **faint, label=f"{each_step} (per step)")
         for name in names:
             if series.get(name):
                 ax.plot(*zip(*series[name], strict=True), marker="o", label=name)

@@ -63,7 +63,7 @@ def test_plot_draws_loss_accuracy_and_speed_of_a_real_run(run_dir, tmp_path):
 
 def test_plot_reads_as_a_person_expects(run_dir):
     """Whole-epoch ticks, the per-step loss under the epoch losses, speed from 0, and the data named in the title."""
-    from app.run.plot import figure, step_losses
+    from app.run.plot import figure, step_series
 
     fig = figure(run_dir, ImageClassifier)  # the default task: a run of it names no class
     loss_ax, acc_ax, speed_ax = fig.axes
@@ -73,7 +73,7 @@ def test_plot_reads_as_a_person_expects(run_dir):
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
     per_step = [line for line in loss_ax.lines if "per step" in line.get_label()]
     steps = [row for row in read_rows(run_dir / "metrics.csv") if row.get("train/loss")]
-    assert len(per_step) == 1 and len(per_step[0].get_xdata()) == len(steps) == len(step_losses(run_dir))
+    assert len(per_step) == 1 and len(per_step[0].get_xdata()) == len(steps) == len(step_series(run_dir, "train/loss"))
     assert max(per_step[0].get_xdata()) == 1.5  # epoch 1's steps end half way to epoch 2
     for ax in fig.axes:  # the epochs as the console's epoch lines and the checkpoint names number them: 0 and 1
         assert {tuple(line.get_xdata()) for line in ax.lines if "per step" not in line.get_label()} == {(0, 1)}
