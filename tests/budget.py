@@ -56,6 +56,8 @@ FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (
     "tests/test_budget.py": 30,
     "tests/fashion_mnist/test_gpu_recipe.py": 10,
     "tests/test_gpu.py": 10,
+    "tests/test_imports.py": 20,
+    "tests/test_layers.py": 10,
 }
 EXPECTED_SKIPS = (
     r"no CUDA device",
