@@ -11,8 +11,9 @@ by tests/conftest.py).
   two-node tests and the real-data tests skipping because a probe failed would otherwise pass unseen.
 
 The per-file budgets are about 1.5 times each file's time in a fresh-clone run of 2026-11-27 with other work beside
-it (eed8333, 17:35 UTC; docs/testing.md, "Time budget"), and more where a file's tests grew since; a new file gets
-:data:`NEW_FILE_SECONDS` until it is listed.
+it (eed8333, 17:35 UTC; docs/testing.md, "Time budget"), raised to 1.5 times the evening's run alone where that was
+more (087c0e9, 21:21 UTC, on a machine about a third slower than in the afternoon), and more where a file's tests
+grew since; a new file gets :data:`NEW_FILE_SECONDS` until it is listed.
 """
 
 from __future__ import annotations
@@ -28,23 +29,23 @@ SUITE_MINUTES = 40
 FAST_MINUTES = 2
 NEW_FILE_SECONDS = 60
 FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (2 workers)
-    "tests/test_elastic.py": 670,
-    "tests/test_as_users_run_it.py": 460,
+    "tests/test_elastic.py": 750,
+    "tests/test_as_users_run_it.py": 750,
     "tests/test_reliability.py": 520,
     "tests/test_two_nodes.py": 630,
     "tests/test_fork.py": 310,
-    "tests/test_chaos.py": 250,
+    "tests/test_chaos.py": 300,
     "tests/test_model_parallel.py": 320,
-    "tests/fashion_mnist/test_data.py": 220,
-    "tests/fashion_mnist/test_tools.py": 170,
-    "tests/test_callbacks.py": 130,
+    "tests/fashion_mnist/test_data.py": 270,
+    "tests/fashion_mnist/test_tools.py": 210,
+    "tests/test_callbacks.py": 170,
     "tests/test_strategies.py": 160,
-    "tests/fashion_mnist/test_example_task.py": 90,
-    "tests/test_reductions.py": 100,
+    "tests/fashion_mnist/test_example_task.py": 100,
+    "tests/test_reductions.py": 120,
     "tests/test_cli.py": 90,
-    "tests/fashion_mnist/test_speed_options.py": 70,
+    "tests/fashion_mnist/test_speed_options.py": 80,
     "tests/test_launcher.py": 40,
-    "tests/test_divergence.py": 30,
+    "tests/test_divergence.py": 40,
     "tests/test_lightning_internals.py": 30,
     "tests/test_warm.py": 20,
     "tests/fashion_mnist/test_example_cli.py": 20,
@@ -53,7 +54,7 @@ FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (
     "tests/test_atomic.py": 10,
     "tests/test_interpreters.py": 10,
     "tests/test_docker.py": 10,
-    "tests/test_budget.py": 30,
+    "tests/test_budget.py": 40,
     "tests/fashion_mnist/test_gpu_recipe.py": 10,
     "tests/test_gpu.py": 10,
     "tests/test_imports.py": 20,
