@@ -33,7 +33,7 @@ FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (
     "tests/test_as_users_run_it.py": 750,
     "tests/test_reliability.py": 520,
     "tests/test_two_nodes.py": 630,
-    "tests/test_fork.py": 310,
+    "tests/test_fork.py": 400,
     "tests/test_chaos.py": 300,
     "tests/test_model_parallel.py": 320,
     "tests/fashion_mnist/test_data.py": 270,
