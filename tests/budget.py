@@ -12,7 +12,7 @@ by tests/conftest.py).
 
 The per-file budgets are about 1.5 times each file's time in a fresh-clone run of 2026-11-27 with other work beside
 it (eed8333, 17:35 UTC; docs/testing.md, "Time budget"), raised to 1.5 times the evening's run alone where that was
-more (087c0e9, 21:21 UTC, on a machine about a third slower than in the afternoon), and more where a file's tests
+more (087c0e9, 21:21 UTC, slowed by a nearly full disk), and more where a file's tests
 grew since; a new file gets :data:`NEW_FILE_SECONDS` until it is listed.
 """
 
