@@ -47,6 +47,7 @@ from app.errors import UserError
 from app.launch.host_address import answers
 from app.launch.launcher import TorchrunAgent, mpi_daemon, torchrun_agent
 from app.launch.restarts import restarts_left
+from app.launch.signals import exit_taken_over
 from app.lightning_internals import take_over_local_ranks
 from app.parallelism import parallelism
 
@@ -137,6 +138,7 @@ class RankWatchdog(Callback):
         self._heartbeat.start()
 
     def _stop_process(self, ranks: list[int], reason: str) -> None:
+        exit_taken_over(self.timeout + 3 * self.interval + 10)  # this thread ends the process (_end): let it
         me = self._heartbeat.rank if self._heartbeat else "?"
         lost = f"error: [rank {me}] lost rank {', '.join(map(str, ranks))}: {reason}."
         if self._heartbeat is not None and self._heartbeat.silent and self._heartbeat.across_hosts:

@@ -7,6 +7,9 @@ still starting keeps them for :class:`~app.callbacks.Preemption`.
 - A rank started by a launcher: :func:`catch_early_signals` from its first line, and :func:`take_early_signals` when
   Preemption installs its handlers.
 - :func:`process_alive`: whether a rank (or the launcher) still runs.
+- :func:`exit_taken_over` / :func:`wait_for_taken_over_exit`: a thread that ends the process itself (the rank
+  watchdog's, after a lost rank) and the main thread that must not leave before it (an MPI rank's exit would run
+  MPI_Finalize, which waits for the lost rank for good).
 
 ``ddp_spawn``'s launching process. Under ``ddp_spawn`` the process a user (or ``docker stop``, SLURM, a ``kill``)
 signals is not a rank: it spawned the ranks and waits for them. Python's default action ended it at once, and its
@@ -204,3 +207,22 @@ def process_alive(pid: int) -> bool:
         return True
     fields = proc_stat(pid)
     return not fields or fields[0] != "Z"  # unreadable: os.kill found it, so it runs
+
+
+# ------------------------------------------------------------------------------------------------ a thread's own exit
+_exit_deadline: list[float] = []  # when the thread that took over this process's exit will have ended it
+
+
+def exit_taken_over(within_s: float) -> None:
+    """Called by a thread that will end this process itself (``os._exit``, once its save and its line are done),
+    within ``within_s`` seconds."""
+    _exit_deadline[:] = [time.monotonic() + within_s]
+
+
+def wait_for_taken_over_exit() -> None:
+    """Block while a thread that took over this process's exit (:func:`exit_taken_over`) is ending it, until its
+    deadline. An MPI rank whose run failed calls it before it leaves: its own way out runs MPI_Finalize (mpi4py calls
+    it at exit), which waits for a lost rank for good, and once the interpreter is finalizing, the other thread can no
+    longer run to end the process (seen under load: the survivor of a lost rank 0 hung until the test's timeout)."""
+    while _exit_deadline and time.monotonic() < _exit_deadline[0]:
+        time.sleep(0.1)

@@ -5,6 +5,7 @@ import os
 import pickle
 import shutil
 import sys
+import traceback
 from pathlib import Path
 
 from app.checkpoints.atomic import write_text
@@ -12,7 +13,7 @@ from app.checkpoints.generators import set_generator_states
 from app.errors import Diverged, Preempted, UserError
 from app.launch import startup
 from app.launch.launcher import launcher_ranks
-from app.launch.signals import catch_early_signals, process_alive
+from app.launch.signals import catch_early_signals, process_alive, wait_for_taken_over_exit
 from app.strategies import register as register_strategies
 from app.strategies.launchers.mpirun import DIVERGED, PREEMPTED, USER_ERROR
 
@@ -23,6 +24,7 @@ def main(job_path: str, result_path: str) -> None:
     workdir = Path(job_path).parent
     rank = (launcher_ranks() or (1, 0, 0, 1))[1]
     catch_early_signals()  # a stop sent while this rank starts is acted on once the trainer runs
+    failed = False
     (workdir / f"rank-{rank}.pid").write_text(str(os.getpid()))  # where the launcher sends SIGTERM/SIGINT
     try:
         with open(job_path, "rb") as f:  # written by our own launcher, mode 0700
@@ -39,9 +41,19 @@ def main(job_path: str, result_path: str) -> None:
             write_text(workdir / DIVERGED, stop.message, private=True)
     except Preempted as stop:  # checkpointed and said so; the launcher exits with 128 + signal, mpirun with 0
         write_text(workdir / PREEMPTED, str(stop.signum), private=True)
+    except Exception:
+        traceback.print_exc()  # as Python would on its way out
+        failed = True
     finally:
         if rank == 0 and not process_alive(int(os.environ.get("APP_LAUNCHER_PID", "0"))):
             shutil.rmtree(workdir, ignore_errors=True)  # the launcher is gone: nobody else will clean up
+    if failed:
+        # A peer may be gone (a lost rank): leaving as Python does would run MPI_Finalize, which waits for it for
+        # good. The rank watchdog's thread, which ends this process after a verdict, goes first.
+        wait_for_taken_over_exit()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 if __name__ == "__main__":
