@@ -22,8 +22,9 @@ TOOLS = {
 }
 
 if __name__ == "__main__":
-    from app.launch.startup import check_torchvision
+    from app.launch.startup import catch_slurms_warning, check_torchvision
 
+    catch_slurms_warning()  # SLURM's time-limit warning while this still imports: acted on once training runs
     check_torchvision()  # a torch/torchvision mismatch in one line, before app.run.cli imports Lightning
     from app.run.cli import main
 

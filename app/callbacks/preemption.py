@@ -17,7 +17,12 @@ This callback replaces it for training:
   training step, and the resumed run validates that epoch again from its first batch.
 - With gradient accumulation, a stop agreed inside a window waits for the window's last batch (its optimizer step):
   the gradients of the window so far are in no checkpoint, and stopping there lost them.
-- A second signal stops at once, without a checkpoint (same exit code).
+- A second signal stops at once, without a checkpoint (same exit code); one after the checkpoint is written (SLURM
+  stops the job it requeues) changes nothing.
+- In a SLURM batch job, SIGUSR1 stops the same way too: it is the warning ``#SBATCH --signal=USR1@SECONDS`` sends
+  before the time limit. After the save, rank 0 asks SLURM to requeue the job (``scontrol requeue``), and so after
+  a SIGTERM at the time limit; the requeued job's next start goes on from ``last.ckpt`` in the same run folder, with
+  no flag added (app/launch/slurm.py). A SIGTERM of ``scancel`` saves and ends the job.
 - A resumed ``--trainer.precision=64-true`` run takes the checkpoint's float64 weights as they were saved.
 """
 
@@ -27,6 +32,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -38,8 +44,10 @@ from typing_extensions import override
 from app.callbacks.progress import console_print, live_bar_console
 from app.callbacks.stop_plan import stop_plan
 from app.errors import Preempted
+from app.launch.early_signals import catch_early_signals, take_early_signals
+from app.launch.launcher import SLURM_WARNING_SIGNAL, slurm_job
 from app.launch.restarts import torchrun_restarts_possible
-from app.launch.signals import catch_early_signals, take_early_signals
+from app.launch.slurm import after_stop
 from app.lightning_internals import (
     fit_loop_of,
     log_step_now,
@@ -49,6 +57,9 @@ from app.lightning_internals import (
     validation_follows,
 )
 
+# SLURM sends a job's tasks SIGTERM twice, about 50 ms apart, at its time limit and on a preemption: a repeat within
+# this time is one stop, not the second signal that stops at once without a checkpoint
+SLURM_REPEAT_S = 1.0
 WAIT_FOR_RANKS_S = 25  # rank 0 waits this long for its local ranks to exit after a preemption, then kills them
 
 
@@ -63,10 +74,13 @@ def wait_for_local_ranks(processes: list[subprocess.Popen]) -> None:
             process.kill()
 
 
-def _how_to_continue() -> str:
+def _how_to_continue(trainer, signum: int) -> str:
     # torchrun stops the workers with SIGTERM to take in a node that joins, then restarts
     if torchrun_restarts_possible():
         return "torchrun resumes from it when it restarts the job; after the job ended, the same command continues it"
+    job = slurm_job()
+    if job is not None and trainer.is_global_zero:  # one rank asks SLURM, once the state is saved
+        return after_stop(job, signum)
     return "Continue with the same command plus --ckpt_path last"
 
 
@@ -80,6 +94,8 @@ class Preemption(Callback):
         """
         self.signals = tuple(signal.Signals[name] for name in signals)
         self.received = 0  # the first signal number received by this process, 0 for none
+        self._saved = False  # the stop's checkpoint is written: a later signal changes nothing
+        self._received_at = 0.0
         self._group = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self._previous: dict[int, object] = {}
@@ -128,23 +144,37 @@ class Preemption(Callback):
         self._step_seen = trainer.global_step  # restored by now, on a resumed run
         self._install()
 
+    def _stop_signals(self) -> tuple[signal.Signals, ...]:
+        """The signals handled: the configured ones, and in a SLURM job SLURM's warning before the time limit
+        (instead of Lightning's handler for it, which saves from inside the handler, on rank 0's own)."""
+        if slurm_job() is not None and SLURM_WARNING_SIGNAL not in self.signals:
+            return (*self.signals, SLURM_WARNING_SIGNAL)
+        return self.signals
+
     def _install(self) -> None:
         # After Lightning registered its own SIGTERM handler (in Trainer._run); Lightning restores the originals.
         if not self._previous:
-            for signum in self.signals:
+            for signum in self._stop_signals():
                 self._previous[signum] = signal.signal(signum, self._handle)
-            early = take_early_signals(self.signals)
+            early = take_early_signals(self._stop_signals())
             if early and not self.received:  # sent while the rank was starting: acted on now
                 self._handle(early[0], None)
 
     def _handle(self, signum: int, frame) -> None:
+        if self._saved:  # the state is written and the rank is on its way out (SLURM stops a job it requeues)
+            return
+        repeat = self.received == signum == signal.SIGTERM and time.monotonic() - self._received_at < SLURM_REPEAT_S
+        if repeat and slurm_job() is not None:  # SLURM's own repeat (time limit, preemption): one stop
+            return
         if self.received:  # a second signal: stop now
             name = signal.Signals(signum).name
             os.write(2, f"[rank {self._rank}] second {name}: stopping now, without a checkpoint\n".encode())
             raise Preempted(signum, checkpointed=False)
-        self.received = signum
+        self.received, self._received_at = signum, time.monotonic()
         name = signal.Signals(signum).name
         # (a checkpoint needs every rank: a launcher that lost one worker sends the others SIGTERM, torchrun does)
+        if signum == SLURM_WARNING_SIGNAL and signum not in self.signals:
+            name += " (SLURM's warning before the time limit)"
         message = f"[rank {self._rank}] received {name}: stopping after this step, with a checkpoint if every rank "
         message += "finishes it"
         message += " (Ctrl-C again: stop now)" if signum == signal.SIGINT else ""
@@ -205,7 +235,7 @@ class Preemption(Callback):
         console_print(
             trainer,
             f"{name}: stopped after step {trainer.global_step} (epoch {trainer.current_epoch}); saved {path}. "
-            f"{_how_to_continue()}. Exit code {128 + signum}.",
+            f"{_how_to_continue(trainer, signum)}. Exit code {128 + signum}.",
         )
         raise Preempted(signum)
 
@@ -227,8 +257,8 @@ class Preemption(Callback):
         console_print(
             trainer,
             f"{signal.Signals(signum).name}: stopped in the validation after step {trainer.global_step} (epoch "
-            f"{trainer.current_epoch}); saved {path}. {_how_to_continue()}, which validates this epoch again. Exit "
-            f"code {128 + signum}.",
+            f"{trainer.current_epoch}); saved {path}. {_how_to_continue(trainer, signum)}, which validates this "
+            f"epoch again. Exit code {128 + signum}.",
         )
         raise Preempted(signum)
 
@@ -248,6 +278,7 @@ class Preemption(Callback):
         callback.last_model_path = path  # part of the checkpoint's callback state, as Lightning's save_last does
         # every rank calls it; rank 0 writes, then all wait at a barrier
         trainer.save_checkpoint(path, weights_only=False)
+        self._saved = True
         return Path(path)
 
     @override

@@ -46,7 +46,7 @@ from app.callbacks.stop_plan import StopPlan, stop_plan
 from app.errors import UserError
 from app.launch.host_address import answers
 from app.launch.launcher import TorchrunAgent, mpi_daemon, torchrun_agent
-from app.launch.restarts import restarts_left
+from app.launch.restarts import restart_after_failure, restarts_left
 from app.launch.signals import exit_taken_over
 from app.lightning_internals import take_over_local_ranks
 from app.parallelism import parallelism
@@ -67,7 +67,8 @@ def what_next(last: Path | None, cut_off: bool = False) -> str:
         return REJOIN[0].upper() + REJOIN[1:]
     saved = last is not None and last.is_file()
     if restarts_left():
-        return "The launcher restarts the job" + (f" from {last}" if saved else "")
+        then = restart_after_failure()
+        return then[0].upper() + then[1:] + (f" from {last}" if saved else "")
     if saved:
         return f"{last} is intact: restart with the same command plus --ckpt_path last"
     return "No checkpoint was written yet: restart with the same command"

@@ -23,8 +23,8 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.checkpoints.atomic import write_text
 from app.errors import UserError
-from app.launch.launcher import TorchrunJob, is_first_process
-from app.launch.restarts import agent_id
+from app.launch.launcher import SlurmJob, TorchrunJob, is_first_process
+from app.launch.restarts import agent_of
 
 VERSION_ENV = "TEMPLATE_RUN_VERSION"  # the claimed N, for the ranks a launcher starts after the claim
 # Columns of metrics.csv that say nothing of the training itself: a run that logged only these (the learning-rate
@@ -169,19 +169,19 @@ def _worth_keeping(folder: Path) -> bool:
         return False
 
 
-# ---------------------------------------------------------------- the run a torchrun job's restarts continue
-# torchrun restarts every worker from the start of the program: a restart must find the run folder its job's first
-# start claimed (by the job's rendezvous id, written into it as ``elastic.json``; marked finished at the end, so
-# ``--rdzv-id`` tells two jobs apart and a job started with the id of an unfinished run continues it).
+# ---------------------------------------------------------------- the run a job's later starts continue
+# torchrun restarts every worker from the start of the program, and SLURM runs a requeued job's batch script again:
+# a later start must find the run folder its job's first start claimed (by the job's id, torchrun's rendezvous id or
+# SLURM's job id, written into it as ``elastic.json``; marked finished at the end, so two jobs are told apart, and a
+# job started with the id of an unfinished run continues it).
 MARKER = "elastic.json"
 METRICS_BEFORE_RESTART = "metrics.before-restart.csv"
+Job = TorchrunJob | SlurmJob
 
 
-def mark_run(
-    folder: Path, job: TorchrunJob, finished: bool = False, agents: list[str] = (), shape: dict | None = None
-) -> None:
-    """Name ``folder`` as the run of this torchrun job, for its restarts to find (``finished`` once it trained to
-    the end: a later job with the same rendezvous id then starts a run of its own). ``agents`` are the agents of
+def mark_run(folder: Path, job: Job, finished: bool = False, agents: list[str] = (), shape: dict | None = None) -> None:
+    """Name ``folder`` as the run of this torchrun or SLURM job, for its later starts to find (``finished`` once it
+    trained to the end: a later job with the same id then starts a run of its own). ``agents`` are the agents of
     the job's ranks: a restart by one of them after the run finished has nothing left to train. ``shape`` is the
     first start's devices, per-device batch and accumulation (:class:`~app.callbacks.Elastic`), kept once given: a
     restart that finds no state to resume from still trains with the configured global batch."""
@@ -202,7 +202,7 @@ def run_shape(folder: Path) -> dict | None:
     return shape if isinstance(shape, dict) else None
 
 
-def _marked_runs(root: Path, job: TorchrunJob) -> dict[int, dict]:
+def _marked_runs(root: Path, job: Job) -> dict[int, dict]:
     """``{version: marker}`` of the run folders under ``root`` that a start of a job with this id marked."""
     found = {}
     for folder in root.glob("version_*"):
@@ -216,7 +216,7 @@ def _marked_runs(root: Path, job: TorchrunJob) -> dict[int, dict]:
     return found
 
 
-def run_of(root: Path, job: TorchrunJob) -> int | None:
+def run_of(root: Path, job: Job) -> int | None:
     """The version number of the newest unfinished run folder under ``root`` that a start of this job marked.
 
     Looked up at every start, not only when ``TORCHELASTIC_RESTART_COUNT`` > 0: torchrun does not count a restart
@@ -224,7 +224,7 @@ def run_of(root: Path, job: TorchrunJob) -> int | None:
     return max((v for v, marker in _marked_runs(root, job).items() if not marker.get("finished")), default=None)
 
 
-def finished_run_of(root: Path, job: TorchrunJob, agent: str) -> int | None:
+def finished_run_of(root: Path, job: Job, agent: str) -> int | None:
     """The version number of the newest finished run under ``root`` that this very job trained (``agent`` was one
     of its agents), or None. A worker that fails after the run finished (at exit) makes torchrun restart the job;
     that restart must not train a new run."""
@@ -241,8 +241,9 @@ def keep_metrics_for_restart(folder: Path) -> None:
         os.replace(metrics, folder / METRICS_BEFORE_RESTART)
 
 
-def continue_run_folder(loggers: list, job: TorchrunJob) -> tuple[dict[Path, int], str | None, str | None]:
-    """A restart by torchrun goes on in the run folder of the job's first start, from its last.ckpt if any.
+def continue_run_folder(loggers: list, job: Job) -> tuple[dict[Path, int], str | None, str | None]:
+    """A restart by torchrun, or a start of a requeued SLURM job, goes on in the run folder of the job's first
+    start, from its last.ckpt if any.
 
     Returns the logger roots with the version they go on writing, the ``last.ckpt`` to resume from (None: start
     fresh) and the name this start's config file gets beside the first start's ``config.yaml``. Exits 0 with one
@@ -253,17 +254,20 @@ def continue_run_folder(loggers: list, job: TorchrunJob) -> tuple[dict[Path, int
         root = folder_logger_root(logger)
         version = None if root is None else run_of(root, job)
         if version is None and root is not None:
-            done = finished_run_of(root, job, agent_id())
+            done = finished_run_of(root, job, agent_of(job))
             if done is not None:
+                who = (
+                    "torchrun restarted the job" if isinstance(job, TorchrunJob) else f"SLURM requeued job {job.job_id}"
+                )
                 rank_zero_info(
-                    f"torchrun restarted the job after its run finished ({root}/version_{done}, marked finished; "
-                    "a worker failed after training, e.g. at exit): nothing left to train"
+                    f"{who} after its run finished ({root}/version_{done}, marked finished; a worker failed after "
+                    "training, e.g. at exit): nothing left to train"
                 )
                 raise SystemExit(0)
         if version is None or root in continued:
             continue
         continued[root] = version
-        config_name = f"config.restart{job.restart_count}.yaml" if job.restart_count else "config.rejoined.yaml"
+        config_name = f"config.{job.start_name}.yaml"
         folder = root / f"version_{version}"
         if is_first_process():
             keep_metrics_for_restart(folder)

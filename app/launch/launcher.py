@@ -8,6 +8,7 @@ this a torchrun worker that may be restarted" asks here.
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 # (world size, rank, local rank, local size) variables of each launcher, most specific first.
@@ -63,6 +64,14 @@ def slurm_tasks_per_node() -> int | None:
     return per_node[node] if node < len(per_node) else None
 
 
+def device_count(devices) -> int:
+    """The number of devices a ``--trainer.devices`` value names: ``4``, ``"0,1"``, ``[0, 1]``."""
+    if isinstance(devices, list | tuple):
+        return len(devices)
+    text = str(devices)
+    return len([d for d in text.split(",") if d.strip()]) if "," in text else int(text)
+
+
 def mpi_world_size() -> int:
     """Number of ranks this process was launched with by an MPI launcher (1 when there is none)."""
     ranks = launcher_ranks()
@@ -88,6 +97,12 @@ class TorchrunJob:
         """torchrun will start the job again after a failure of this start (its restarts are not used up)."""
         return self.restart_count < self.max_restarts
 
+    @property
+    def start_name(self) -> str:
+        """What this start is called in the names of its files (``config.restart2.yaml``): torchrun counts the
+        restarts after a failure, not those that take in a node that joins."""
+        return f"restart{self.restart_count}" if self.restart_count else "rejoined"
+
 
 def torchrun_job() -> TorchrunJob | None:
     """The torchrun job this process is a worker of, or None when torchrun did not start it."""
@@ -103,6 +118,66 @@ def torchrun_job() -> TorchrunJob | None:
         restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
         max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
     )
+
+
+# What ``#SBATCH --signal=USR1@SECONDS`` sends the job's tasks before its time limit (Lightning's SLURMEnvironment
+# takes the same signal for its requeue)
+SLURM_WARNING_SIGNAL = signal.SIGUSR1
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """The SLURM job this process runs in: its id (the same in every start of the job), how many times SLURM has
+    requeued it, and whether ``sbatch`` started it (SLURM requeues batch jobs only)."""
+
+    job_id: str  # "1234", or "1234_7" for a task of a job array
+    restart_count: int  # SLURM_RESTART_COUNT: 0 in the first start, N after the N-th requeue
+    batch: bool  # submitted with sbatch: a requeue runs its script again
+    in_step: bool  # this process is a task of a job step (srun), not the batch script itself
+    nodes: int  # the job's nodes (#SBATCH --nodes)
+    tasks: int  # the tasks of this step (srun's, or the job's in its batch script): SLURM_NTASKS
+    tasks_per_node: int | None  # this node's share of them (:func:`slurm_tasks_per_node`)
+
+    @property
+    def run_id(self) -> str:
+        """The id its run folder is marked with (app/checkpoints/run_folders.py)."""
+        return f"slurm-{self.job_id}"
+
+    @property
+    def restarts_possible(self) -> bool:
+        """SLURM may start it again after a stop (requeue, preemption, a failed node): a batch job."""
+        return self.batch
+
+    @property
+    def start_name(self) -> str:
+        return f"requeue{self.restart_count}"
+
+
+def slurm_job() -> SlurmJob | None:
+    """The SLURM job this process runs in (inside ``sbatch``, ``salloc`` or ``srun``), or None outside SLURM."""
+    env = os.environ
+    if not env.get("SLURM_JOB_ID"):
+        return None
+    array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    count = env.get("SLURM_RESTART_COUNT", "0")
+    return SlurmJob(
+        job_id=f"{array}_{task}" if array and task else env["SLURM_JOB_ID"],
+        restart_count=int(count) if count.isdigit() else 0,
+        batch=_started_by_sbatch(),
+        in_step=bool(env.get("SLURM_STEP_ID")),
+        nodes=_number(env.get("SLURM_JOB_NUM_NODES") or env.get("SLURM_NNODES"), 1),
+        tasks=_number(env.get("SLURM_NTASKS"), 1),
+        tasks_per_node=slurm_tasks_per_node(),
+    )
+
+
+def _number(text: str | None, default: int) -> int:
+    return int(text) if text and text.isdigit() else default
+
+
+def _started_by_sbatch() -> bool:
+    # sbatch sets ENVIRONMENT=BATCH in the batch script's environment, which srun hands on to the job's tasks
+    return os.environ.get("ENVIRONMENT") == "BATCH"
 
 
 def is_first_process() -> bool:

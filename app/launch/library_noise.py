@@ -16,6 +16,8 @@ import threading
 import warnings
 from pathlib import Path
 
+from app.launch.launcher import slurm_job
+
 
 class _DropMessage(logging.Filter):
     def __init__(self, startswith: str) -> None:
@@ -65,6 +67,12 @@ def install() -> None:
     warnings.filterwarnings(
         "ignore", message=r"(?s)Grad strides do not match bucket view strides.*grad\.sizes\(\) = \[\d+, 1, "
     )
+    # Lightning warns on every Trainer that "The `srun` command is available on your system but is not used" where
+    # SLURM's client tools are installed: on a SLURM login node, where users type their commands, that is every run.
+    # Outside a SLURM job a run is one of this machine's, which is what was asked for. Inside one it stays: there it
+    # may be a batch script that runs cli.py without srun (app/run/checks.py says what to do in one line).
+    if slurm_job() is None:
+        warnings.filterwarnings("ignore", message=r"The `srun` command is available on your system but is not used")
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     # An advertisement for a cloud service, printed by every Trainer.
     rank_zero.addFilter(_DropMessage("💡 Tip: For seamless cloud"))

@@ -11,6 +11,9 @@ size of the re-formed job in its environment. This module reads that environment
 - whether this start is a restart, and which one: a restart continues the first start's run (its ``last.ckpt``,
   its ``metrics.csv``) instead of starting a new one. Which folder that is, app/checkpoints/run_folders.py finds
   (the job's rendezvous id, written into it as ``elastic.json`` by the first start).
+
+A SLURM batch job is started again the same way when SLURM requeues it (app/launch/slurm.py): its later starts
+continue its run too, and a rank that survives a lost one saves and asks SLURM for the requeue.
 """
 
 from __future__ import annotations
@@ -21,34 +24,67 @@ import socket
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.errors import UserError
-from app.launch.launcher import TorchrunJob, self_launch_restarts, torchrun_job
+from app.launch.launcher import SlurmJob, TorchrunJob, device_count, self_launch_restarts, torchrun_job
+from app.launch.slurm import requeue, requeueable_job
 from app.parallelism import configured_to_start_own_workers
 
 
 def restarts_possible() -> bool:
-    """True when a launcher will start this program again after a failure: torchrun with ``--max-restarts``, or
-    the horovod strategy's self-launch with restarts left (``--trainer.strategy.max_restarts``)."""
+    """True when a launcher will start this program again after a failure: torchrun with ``--max-restarts``, the
+    horovod strategy's self-launch with restarts left (``--trainer.strategy.max_restarts``), or SLURM, which runs a
+    batch job's script again when the job is requeued."""
     job = torchrun_job()
-    if job is not None:
+    if job is not None and (job.restarts_possible or requeueable_job() is None):
         return job.restarts_possible
+    if requeueable_job() is not None:
+        return True
     return self_launch_restarts()[1] > 0
 
 
 def restarts_left() -> bool:
     """True when a failure of this start will be followed by another (torchrun or the horovod self-launch has a
-    restart left); what a rank may promise when it stops after a failure."""
+    restart left, or SLURM requeues the batch job: :func:`restart_after_failure`); what a rank may promise when it
+    stops after a failure."""
     job = torchrun_job()
-    if job is not None:
+    if job is not None and (job.restarts_left or requeueable_job() is None):
         return job.restarts_left
+    if requeueable_job() is not None:
+        return True
     return self_launch_restarts()[1] > 0
 
 
-def is_restart() -> bool:
-    """True in a start that a launcher made after a failure: it continues a run (torchrun restart, horovod restart)."""
+def restart_after_failure() -> str:
+    """What starts the job again after this start failed, for a rank's last line; a SLURM batch job is requeued
+    here (SLURM does not requeue a job whose steps failed by itself: it is FAILED once its script ends)."""
     job = torchrun_job()
-    if job is not None:
-        return job.restart_count > 0
+    if job is not None and (job.restarts_left or requeueable_job() is None):
+        return "the launcher restarts the job"
+    slurm = requeueable_job()
+    if slurm is not None:
+        refused = requeue(slurm)
+        if refused is None:
+            return f"SLURM requeued job {slurm.job_id}, which resumes by itself"
+        return f"SLURM did not requeue the job ({refused}); submit it again with --ckpt_path last"
+    return "the launcher restarts the job"
+
+
+def is_restart() -> bool:
+    """True in a start that a launcher made after a failure: it continues a run (torchrun restart, horovod restart,
+    a requeued SLURM job)."""
+    job = torchrun_job()
+    if job is not None and job.restart_count > 0:
+        return True
+    slurm = requeueable_job()
+    if slurm is not None and slurm.restart_count > 0:
+        return True
     return self_launch_restarts()[0] > 0
+
+
+def later_start(job: TorchrunJob | SlurmJob) -> bool:
+    """Whether this start may continue a run of its job: any start of a torchrun job with restarts (torchrun does not
+    count a restart that takes in a joining node), a SLURM job's once SLURM has requeued it (``SLURM_RESTART_COUNT``;
+    a batch script that runs two fits in one job starts two runs)."""
+    return isinstance(job, TorchrunJob) or job.restart_count > 0
 
 
 def torchrun_restarts_possible() -> bool:
@@ -84,7 +120,7 @@ def take_launcher_numbers(
     devices = trainer_config.devices
     if devices in ("auto", None, -1, "-1") or not devices_given:
         trainer_config.devices = job.local_world_size
-    elif _count(devices) != job.local_world_size:
+    elif device_count(devices) != job.local_world_size:
         raise UserError(
             f"--trainer.devices={devices}, but torchrun started {job.local_world_size} process(es) per node "
             f"(--nproc_per_node={job.local_world_size}); drop --trainer.devices under torchrun or make the two equal"
@@ -104,11 +140,10 @@ def take_launcher_numbers(
         )
 
 
-def _count(devices) -> int:
-    if isinstance(devices, list | tuple):
-        return len(devices)
-    text = str(devices)
-    return len([d for d in text.split(",") if d.strip()]) if "," in text else int(text)
+def agent_of(job: TorchrunJob | SlurmJob) -> str:
+    """Who starts this job's workers again: the torchrun agent (:func:`agent_id`), or SLURM itself for a batch job
+    (the job's id: every start of it is the same job's)."""
+    return agent_id() if isinstance(job, TorchrunJob) else job.run_id
 
 
 def agent_id() -> str:

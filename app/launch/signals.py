@@ -4,7 +4,8 @@ still starting keeps them for :class:`~app.callbacks.Preemption`.
 - ``ddp_spawn``: :func:`pass_sigterm_to_spawned_ranks` and :func:`stopped_exit_code`, below.
 - The horovod strategy's self-launch under ``mpirun`` (app/strategies/launchers/mpirun.py): :class:`StopSignals` notes
   SIGTERM/SIGINT for the whole launch and passes them on to the ranks as they appear.
-- A rank started by a launcher: :func:`catch_early_signals` from its first line, and :func:`take_early_signals` when
+- A rank started by a launcher: :func:`~app.launch.early_signals.catch_early_signals` from its first line, and
+  :func:`~app.launch.early_signals.take_early_signals` when
   Preemption installs its handlers.
 - :func:`process_alive`: whether a rank (or the launcher) still runs.
 - :func:`exit_taken_over` / :func:`wait_for_taken_over_exit`: a thread that ends the process itself (the rank
@@ -75,25 +76,6 @@ def stopped_exit_code(err: BaseException) -> int | None:
         )
         return code
     return None
-
-
-# ------------------------------------------------------------------------------------------------ a starting rank
-_early_signals: list[int] = []  # caught by catch_early_signals before a Preemption callback was installed
-
-
-def catch_early_signals(signals=(signal.SIGTERM, signal.SIGINT)) -> None:
-    """Remember a stop signal that comes before the trainer runs, instead of dying of it: the horovod self-launch's
-    ranks spend seconds importing and unpickling the job before Preemption installs its handlers, and the launcher
-    forwards a SIGTERM/SIGINT as soon as a rank has written its pid. Preemption acts on it once installed."""
-    for signum in signals:
-        signal.signal(signum, lambda signum, frame: _early_signals.append(signum))
-
-
-def take_early_signals(signals) -> list[int]:
-    """The stop signals among ``signals`` caught so far by :func:`catch_early_signals`, forgotten once taken."""
-    early = [signum for signum in _early_signals if signum in signals]
-    _early_signals.clear()
-    return early
 
 
 # ------------------------------------------------------------------------------------------------ mpirun's ranks

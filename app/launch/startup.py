@@ -31,6 +31,19 @@ def install() -> None:
         _installed = True
 
 
+def catch_slurms_warning() -> None:
+    """In a SLURM job, the warning SLURM sends before the time limit (``#SBATCH --signal=USR1@N``) may come while the
+    program still imports; its default action ends the process, and the job ends unsaved and is not requeued (seen
+    in tests/test_slurm_training.py under load). From the first lines of ``cli.py`` it is remembered instead, and
+    :class:`~app.callbacks.Preemption` acts on it once training runs: the run stops after its first step, saves and
+    requeues the job."""
+    from app.launch.early_signals import catch_early_signals
+    from app.launch.launcher import SLURM_WARNING_SIGNAL, slurm_job
+
+    if slurm_job() is not None:
+        catch_early_signals((SLURM_WARNING_SIGNAL,))
+
+
 def check_torchvision() -> None:
     """torch and torchvision of two builds (pip took them from two indexes: a CPU torch beside PyPI's CUDA
     torchvision) fail on the first import of torchvision, which Lightning's metrics make, with a traceback of 40 lines

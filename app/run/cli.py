@@ -39,10 +39,18 @@ from app.checkpoints.run_folders import (
 from app.errors import TemplateWarning, UserError
 from app.launch import startup
 from app.launch.host_address import check_reachable
-from app.launch.launcher import first_on_node, is_first_process, launcher_ranks, one_gpu_per_rank, torchrun_job
+from app.launch.launcher import (
+    first_on_node,
+    is_first_process,
+    launcher_ranks,
+    one_gpu_per_rank,
+    slurm_job,
+    torchrun_job,
+)
 from app.launch.library_noise import HeldRecords
-from app.launch.restarts import take_launcher_numbers
+from app.launch.restarts import later_start, take_launcher_numbers
 from app.launch.signals import pass_sigterm_to_spawned_ranks, stopped_exit_code
+from app.launch.slurm import requeueable_job, take_slurm_numbers
 from app.run.arguments import (
     Parser,
     check_config_files,
@@ -207,14 +215,18 @@ class CLI(CkptPathRule, LightningCLI):
         devices_given = any(a == "--trainer.devices" or a.startswith("--trainer.devices=") for a in argv)
         job = torchrun_job()
         continued: dict[Path, int] = {}
-        if job is not None and job.restarts_possible and self.subcommand == "fit":
-            continued, ckpt, config_name = continue_run_folder(loggers, job)
+        # A job whose later starts continue its run: torchrun's restarts, or SLURM's requeues of a batch job
+        restarting = job if job is not None and job.restarts_possible else requeueable_job()
+        if restarting is not None and self.subcommand == "fit" and later_start(restarting):
+            continued, ckpt, config_name = continue_run_folder(loggers, restarting)
             if config_name:  # config.yaml stays the first start's; each restart records what it ran with beside it
                 self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": config_name, "overwrite": True}
             if ckpt:
                 self._elastic_ckpt = config.ckpt_path = ckpt
         if job is not None:
             take_launcher_numbers(config.trainer, job, devices_given, continuing=bool(continued))
+        elif (slurm := slurm_job()) is not None and launcher_ranks() is None:  # (mpirun in an allocation: its own)
+            take_slurm_numbers(config.trainer, slurm, devices_given)
         mpi = launcher_ranks()
         if mpi is not None and _rank_has_own_gpu(config.trainer, mpi[3], devices_given):
             config.trainer.devices = 1  # the one GPU this rank sees
@@ -222,8 +234,8 @@ class CLI(CkptPathRule, LightningCLI):
             config.trainer.devices = mpi[3]
         if not config.trainer.get("fast_dev_run"):  # (fast_dev_run logs nothing: Lightning swaps the loggers out)
             self._claimed = claim_versions(loggers, continued)  # version_N made now: no other run can take it
-        if job is not None and job.restarts_possible and self.subcommand == "fit":
-            self._elastic_run = ElasticRunFolder(job, self._claimed, continued, self._elastic_ckpt)
+        if restarting is not None and self.subcommand == "fit":
+            self._elastic_run = ElasticRunFolder(restarting, self._claimed, continued, self._elastic_ckpt)
 
     @override
     def instantiate_trainer(self, **kwargs):

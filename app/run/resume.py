@@ -15,6 +15,7 @@ from app.checkpoints.io import check_compatible, load_checkpoint, saved_class
 from app.checkpoints.run_folders import folder_logger_root
 from app.errors import UserError
 from app.launch.launcher import torchrun_job
+from app.launch.slurm import requeueable_job
 from app.lightning_internals import epochs_done
 from app.run.arguments import strategy_options_by_name, timeout_in_seconds
 from app.run.checks import init_parameters
@@ -381,12 +382,16 @@ class CkptPathRule:
         if self.subcommand == "fit":
             nothing_left_to_train(checkpoint, ckpt_path, self.trainer)
         prefix = f"--ckpt_path {given}: " if given != ckpt_path else ""
-        if ckpt_path == self._elastic_ckpt:
-            job = torchrun_job()
+        if ckpt_path == self._elastic_ckpt and (job := torchrun_job()) is not None and job.restarts_possible:
             what = f"restart {job.restart_count} of at most {job.max_restarts}" if job.restart_count else "re-formed"
             rank_zero_info(
                 f"torchrun {what}: {job.world_size} process(es) on {job.nodes} node(s), resuming from {ckpt_path} "
                 f"(step {checkpoint.get('global_step', '?')}) in the same run folder"
+            )
+        elif ckpt_path == self._elastic_ckpt and (slurm := requeueable_job()) is not None:
+            rank_zero_info(
+                f"SLURM job {slurm.job_id}, start {slurm.restart_count + 1} (requeued {slurm.restart_count} time(s)): "
+                f"resuming from {ckpt_path} (step {checkpoint.get('global_step', '?')}) in the same run folder"
             )
         elif self.subcommand == "fit":
             where = (

@@ -29,7 +29,7 @@ from app.callbacks.stop_plan import stop_plan
 from app.checkpoints.io import SafeCheckpointIO, saved_at_step
 from app.checkpoints.saved_state import report_saved_state, saved_state_announcer
 from app.errors import UserError
-from app.launch.restarts import restarts_left
+from app.launch.restarts import restart_after_failure, restarts_left
 from app.lightning_internals import (
     fit_loop_state,
     put_fit_loop_state,
@@ -252,7 +252,7 @@ class SaveOnFailure:
         if watchdog is not None and watchdog.cut_off:
             then = REJOIN.split(": ", 1)[1] if said.startswith("error:") else REJOIN  # (the verdict said it lost it)
         elif restarts_left():
-            then = "the launcher restarts the job from there"
+            then = f"{restart_after_failure()} from there"
         else:
             then = "no restart is left: continue with the same command plus --ckpt_path last"
         say(trainer, f"{said}{saved}; {then}")

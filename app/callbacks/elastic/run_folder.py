@@ -1,4 +1,5 @@
-"""The run folder of a torchrun job with restarts: every start of the job writes into one run's folder."""
+"""The run folder of a job that is started again (a torchrun job with restarts, a SLURM batch job that SLURM may
+requeue): every start of the job writes into one run's folder."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from typing_extensions import override
 from app.callbacks.stop_plan import stop_plan
 from app.checkpoints.run_folders import MARKER, mark_run, run_shape
 from app.errors import UserError
-from app.launch.launcher import TorchrunJob
-from app.launch.restarts import agent_id
+from app.launch.launcher import SlurmJob, TorchrunJob
+from app.launch.restarts import agent_of
 
 
 class ElasticRunFolder(Callback):
-    """The run folder of a torchrun job with ``--max-restarts`` > 0; the CLI adds it (it is not one to leave out).
+    """The run folder of a torchrun job with ``--max-restarts`` > 0 or of a SLURM batch job; the CLI adds it (it is
+    not one to leave out).
 
     Every rank decides, before the process group exists, whether its start continues an unfinished run of the job
     (:func:`app.checkpoints.run_folders.run_of`). Rank 0 marks a new run's folder only here, once the process group
@@ -24,12 +26,14 @@ class ElasticRunFolder(Callback):
     that they decided alike: a root that the nodes do not share would otherwise have them issue different collectives.
     """
 
-    def __init__(self, job: TorchrunJob, claimed: list[Path], continued: dict[Path, int], ckpt_path: str | None):
+    def __init__(
+        self, job: TorchrunJob | SlurmJob, claimed: list[Path], continued: dict[Path, int], ckpt_path: str | None
+    ):
         self.job = job
         self.claimed = list(claimed)  # rank 0's new version folders (empty elsewhere and on a continued run)
         self.continued = dict(continued)  # logger root -> the version this start goes on writing
         self.ckpt_path = ckpt_path
-        self.agents = [agent_id()]  # the torchrun agents of the job's ranks, gathered once the process group formed
+        self.agents = [agent_of(job)]  # the torchrun agents of the job's ranks, gathered once the process group formed
         self._shape_recorded = False
 
     @override
@@ -41,12 +45,13 @@ class ElasticRunFolder(Callback):
         if not trainer.strategy.reduce_boolean_decision(mine == rank0, all=True):
             what = ", ".join(f"{root}/version_{v}" for root, v in rank0["continues"]) or "nothing (a new run)"
             raise UserError(
-                f"torchrun start: the ranks disagree on the run they continue (rank 0 continues {what}); the runs' "
+                f"{'torchrun' if isinstance(self.job, TorchrunJob) else 'SLURM job'} start: the ranks disagree on the "
+                f"run they continue (rank 0 continues {what}); the runs' "
                 "folder (--trainer.default_root_dir) must be one that every node sees, on a shared filesystem"
             )
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             agents = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(agents, agent_id())
+            torch.distributed.all_gather_object(agents, agent_of(self.job))
             self.agents = agents
         if trainer.is_global_zero:
             for folder in self.claimed:

@@ -12,8 +12,9 @@ from app.checkpoints.atomic import write_text
 from app.checkpoints.generators import set_generator_states
 from app.errors import Diverged, Preempted, UserError
 from app.launch import startup
+from app.launch.early_signals import catch_early_signals
 from app.launch.launcher import launcher_ranks
-from app.launch.signals import catch_early_signals, process_alive, wait_for_taken_over_exit
+from app.launch.signals import process_alive, wait_for_taken_over_exit
 from app.strategies import register as register_strategies
 from app.strategies.launchers.mpirun import DIVERGED, PREEMPTED, USER_ERROR
 

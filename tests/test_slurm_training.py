@@ -1,0 +1,348 @@
+"""A SLURM batch job that is stopped comes back and trains exactly what an unbroken job trains: on a real two-node
+SLURM cluster (tests/slurm.py), with the shipped script (scripts/slurm_multinode.sbatch, its GPU lines swapped for
+CPU), a model with dropout, and no flag added for the resume.
+
+- ``scontrol requeue`` mid-epoch, a preemption by a higher-priority partition, the time-limit warning
+  (``--signal=USR1@N``) and a SIGTERM at the time limit: each ends with weights bitwise equal to the unbroken job's,
+  in the same run folder;
+- a lost node (its slurmd and its ranks killed): the survivor saves the step in flight, requeues the job, which
+  resumes once the node is back;
+- ``scancel --signal=TERM`` then ``scancel``: the state is saved and no rank is left;
+- a requeued job whose checkpoint is damaged says so in one line.
+
+Each job holds at step 3 of its first start (tests/hold_at_step.py) until the stop reaches it, so every stop lands
+mid-epoch whatever the machine's speed. The unbroken job runs beside the first test (each job takes one of the two
+CPUs of each node).
+"""
+
+import json
+import re
+import subprocess
+import time
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT
+from tests.slurm import SlurmCluster, slurm_available
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm-training")]
+
+SHIPPED = ROOT / "scripts" / "slurm_multinode.sbatch"
+STEPS = 16  # 2 epochs of 8 steps
+# A lost rank's generators are gone with it: the resumed run seeds that rank from the seed, the step and the rank,
+# repeatable but not the unbroken run's dropout masks (docs/reliability.md). A lost node is compared without dropout.
+NO_DROPOUT = ("--model.dropout=0.0",)
+RUN = (
+    "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--model.dropout=0.3", "--trainer.max_epochs=2",
+    "--trainer.limit_train_batches=8", "--trainer.limit_val_batches=2", "--data.batch_size=8",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    ok, why = slurm_available()
+    if not ok:
+        pytest.skip(why)
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as made:
+        yield made
+
+
+def cpu_script(folder: Path, drop: tuple[str, ...] = ()) -> Path:
+    """The shipped script with its GPU lines swapped for CPU: one task per node (each node has 2 CPUs, and a test's
+    job runs beside the unbroken one), no GPUs, the tests' tiny task for the example's recipe; ``drop``: #SBATCH
+    options left out (a user's script without them)."""
+    text = SHIPPED.read_text()
+    text = re.sub(r"(?m)^#SBATCH --gpus-per-node=.*\n", "", text)
+    for option in drop:
+        text = re.sub(rf"(?m)^#SBATCH {option}\b.*\n", "", text)
+    for old, new in (("--ntasks-per-node=4", "--ntasks-per-node=1"), ("--cpus-per-task=8", "--cpus-per-task=1")):
+        assert old in text, f"{SHIPPED} no longer has {old}"
+        text = text.replace(old, new)
+    assert "configs/fashion_mnist.yaml" in text
+    script = folder / "job.sbatch"
+    script.write_text(text.replace("configs/fashion_mnist.yaml", "tests/tiny.yaml"))
+    return script
+
+
+class Job:
+    def __init__(self, cluster: SlurmCluster, folder: Path, *sbatch: str, hold: bool = True, drop=(), more=()):
+        """The CPU copy of the shipped script, submitted from the repository (as its ``cd $SLURM_SUBMIT_DIR``
+        expects), writing its runs and its output file into ``folder``."""
+        self.cluster, self.folder = cluster, folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.output = folder / "slurm.out"
+        args = [*RUN, f"--trainer.default_root_dir={folder / 'runs'}", *more]
+        if hold:
+            spec = {"class_path": "tests.hold_at_step.HoldAtStep", "init_args": {"folder": str(folder)}}
+            args.append("--trainer.callbacks+=" + json.dumps(spec))
+        script = cpu_script(folder, drop)
+        # as a user types it: sbatch [options] script [the script's arguments: cli.py's flags]
+        submit = ["sbatch", "--parsable", f"--output={self.output}", *sbatch, str(script), *args]
+        self.id = cluster.client(submit, cwd=ROOT).stdout.strip().split(";")[0]
+
+    def held(self, timeout: float = 180) -> None:
+        """Wait until every rank holds at step 3 of the first start."""
+        deadline = time.monotonic() + timeout
+        while not (self.folder / "held").exists():
+            info = self.cluster.state(self.id) or {}
+            if time.monotonic() > deadline or info.get("JobState") not in ("PENDING", "RUNNING"):
+                pytest.fail(f"job {self.id} did not reach step 3 ({info.get('JobState')}):\n{self.text()[-4000:]}")
+            time.sleep(0.5)
+
+    def text(self) -> str:
+        return self.output.read_text() if self.output.exists() else ""
+
+    def finished(self, timeout: float = 300) -> dict:
+        try:
+            return self.cluster.wait(self.id, timeout=timeout)
+        except Exception as err:
+            raise AssertionError(f"{err}\n--- job output:\n{self.text()[-6000:]}") from None
+
+    def run_folder(self) -> Path:
+        runs = sorted((self.folder / "runs" / "lightning_logs").glob("version_*"))
+        assert len(runs) == 1, (runs, self.text()[-3000:])  # a requeue goes on in the run's folder
+        return runs[0]
+
+    def last(self) -> dict:
+        return torch.load(self.run_folder() / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+
+    def steps(self) -> list[dict]:
+        return [json.loads(line) for line in (self.folder / "steps.jsonl").read_text().splitlines()]
+
+
+def unbroken_job(cluster, folder: Path, *more: str):
+    """The same job, never stopped, submitted now (it runs beside a test's job); its last.ckpt once it is over."""
+    job = Job(cluster, folder, hold=False, more=more)
+
+    @cache
+    def result() -> dict:
+        assert job.finished()["JobState"] == "COMPLETED"  # (SLURM forgets a job MinJobAge after its end: once)
+        return job.last()
+
+    return result
+
+
+@pytest.fixture(scope="module")
+def unbroken(cluster, tmp_path_factory):
+    return unbroken_job(cluster, tmp_path_factory.mktemp("unbroken"))
+
+
+@pytest.fixture(scope="module")
+def unbroken_without_dropout(cluster, tmp_path_factory):
+    return unbroken_job(cluster, tmp_path_factory.mktemp("unbroken-no-dropout"), *NO_DROPOUT)
+
+
+def assert_bitwise(job: Job, unbroken) -> None:
+    final, expected = job.last(), unbroken()
+    assert final["global_step"] == expected["global_step"] == STEPS, job.text()[-3000:]
+    different = [
+        k for k in expected["state_dict"] if not torch.equal(final["state_dict"][k], expected["state_dict"][k])
+    ]
+    assert not different, f"{len(different)} tensors differ from the unbroken job's, e.g. {different[:3]}"
+
+
+def resumed_at(job: Job) -> int:
+    """The step the second start resumed from (its own line says it)."""
+    found = re.search(
+        rf"SLURM job {job.id}, start 2 \(requeued 1 time\(s\)\): resuming from \S+ \(step (\d+)\)", job.text()
+    )
+    assert found, job.text()[-4000:]
+    return int(found[1])
+
+
+def test_scontrol_requeue_mid_epoch_resumes_by_itself_in_the_same_run_bitwise_like_an_unbroken_job(
+    cluster, unbroken, tmp_path
+):
+    job = Job(cluster, tmp_path / "requeued")
+    job.held()
+    requeued = time.time()
+    cluster.requeue(job.id)
+    cluster.release_begin_time(job.id)  # SLURM holds a requeued job back 2 minutes (BeginTime)
+    released = time.time()
+    info = job.finished()
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1")
+    text = job.text()
+    assert f"SLURM requeues job {job.id}: its next start resumes from it by itself" in text, text[-4000:]
+    assert 3 <= resumed_at(job) <= 5  # the stop lands within two steps of the signal
+    assert (job.run_folder() / "config.requeue1.yaml").is_file()
+    assert_bitwise(job, unbroken)
+    first_resumed = min(s["time"] for s in job.steps() if s["start"] == 1)
+    print(
+        f"\nrequeue -> first resumed step: {first_resumed - requeued:.1f} s, of which {released - requeued:.1f} s "
+        f"until the job was pending and released (SLURM's own hold of 120 s skipped)"
+    )
+
+
+def test_the_time_limit_warning_signal_saves_requeues_and_resumes_bitwise(cluster, unbroken, tmp_path):
+    """``#SBATCH --signal=USR1@N`` (the shipped script has it): N s before the time limit each task gets SIGUSR1;
+    the run stops after the step, saves, and requeues the job itself."""
+    job = Job(cluster, tmp_path / "limit", "--time=2", "--signal=USR1@100")  # (SLURM's shortest limit: 1 minute)
+    # the warning comes 20-50 s after the start: on a busy machine that may be before the first step (it is kept,
+    # and the run stops after its first step) or while the ranks hold at step 3
+    deadline = time.monotonic() + 240
+    while (cluster.state(job.id) or {}).get("Restarts") != "1" and time.monotonic() < deadline:
+        time.sleep(1)
+    cluster.wait(job.id, states=("PENDING",), timeout=60, poll=1)
+    # its next start would get the warning again 100 s before its own limit: the admin gives it more time
+    cluster.scontrol("update", f"jobid={job.id}", "TimeLimit=10", "StartTime=now")
+    info = job.finished()
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1")
+    text = job.text()
+    assert "received SIGUSR1 (SLURM's warning before the time limit)" in text, text[-4000:]
+    assert f"Requeued SLURM job {job.id} (before its time limit): its next start resumes from it by itself" in text
+    assert 1 <= resumed_at(job) <= 5
+    assert_bitwise(job, unbroken)
+
+
+def test_a_sigterm_at_the_time_limit_saves_requeues_and_resumes_bitwise(cluster, unbroken, tmp_path):
+    """A script without ``--signal``: SLURM sends SIGTERM at the limit (twice, 50 ms apart: one stop), and the job
+    would end as TIMEOUT; the run saves and requeues it (Reason=TimeLimit tells the limit from scancel)."""
+    job = Job(cluster, tmp_path / "sigterm-limit", "--time=1", drop=("--signal",))
+    job.held()
+    cluster.wait(job.id, states=("PENDING",), timeout=240, poll=1)
+    cluster.scontrol("update", f"jobid={job.id}", "TimeLimit=10", "StartTime=now")
+    info = job.finished()
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1")
+    text = job.text()
+    assert "second SIGTERM" not in text, text[-4000:]
+    assert f"Requeued SLURM job {job.id} (at its time limit): its next start resumes from it by itself" in text
+    assert_bitwise(job, unbroken)
+
+
+def test_a_job_preempted_by_a_higher_priority_partition_resumes_bitwise(cluster, unbroken, tmp_path):
+    job = Job(cluster, tmp_path / "preempted")
+    job.held()
+    urgent = tmp_path / "urgent.sh"
+    urgent.write_text("#!/bin/bash\nsleep 3\n")
+    # every CPU of both nodes, in the partition that preempts (PreemptMode=REQUEUE)
+    high = cluster.sbatch(urgent, "--partition=high", "--nodes=2", "--ntasks-per-node=2", f"--output={tmp_path}/u.out")
+    cluster.wait(high, timeout=120)
+    cluster.release_begin_time(job.id)
+    info = job.finished()
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1")
+    assert f"SLURM requeues job {job.id}: its next start resumes from it by itself" in job.text(), job.text()[-4000:]
+    assert_bitwise(job, unbroken)
+
+
+def test_a_lost_node_the_survivor_saves_the_step_requeues_and_the_job_resumes_once_the_node_is_back(
+    cluster, unbroken_without_dropout, tmp_path
+):
+    """Node b's slurmd and rank are killed at step 3. Rank 0's watchdog names rank 1 lost within 15 s and saves
+    the step from its own thread; SLURM sees the node fail, and the job, requeued (by SLURM or by rank 0, whichever
+    comes first), waits until b is back, then resumes from step 3."""
+    job = Job(cluster, tmp_path / "lost-node", more=NO_DROPOUT)
+    job.held()
+    cluster.kill_node("b")  # its slurmd and rank 1
+    try:
+        cluster.wait(job.id, states=("PENDING",), timeout=120, poll=1)
+        text = job.text()
+        assert "error: [rank 0] lost rank 1" in text, text[-4000:]
+        assert re.search(rf"Saved the state after step 3 to \S+; SLURM requeued job {job.id}", text), text[-4000:]
+    finally:
+        cluster.start_node("b")
+    cluster.release_begin_time(job.id)
+    info = job.finished()
+    assert info["JobState"] == "COMPLETED"
+    assert resumed_at(job) == 3
+    assert_bitwise(job, unbroken_without_dropout)
+
+
+def rank_processes(cluster) -> list[int]:
+    return [p for node in cluster.nodes for p in node.pids() if "cli.py" in _cmdline(p)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_scancel_with_term_first_saves_the_state_and_leaves_no_rank(cluster, tmp_path):
+    """As users cancel: ``scancel --signal=TERM`` (the tasks only: they save and exit 143), then ``scancel``."""
+    job = Job(cluster, tmp_path / "cancelled")
+    job.held()
+    cluster.scancel(job.id, "TERM")
+    sent = time.monotonic()
+    deadline = sent + 60
+    while rank_processes(cluster) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    gone = time.monotonic() - sent
+    cluster.client(["scancel", job.id], check=False)  # already over: nothing to cancel
+    assert not rank_processes(cluster), job.text()[-4000:]
+    assert gone < 30, gone  # the watchdog's time (15 s) and a save
+    last = job.last()
+    assert 3 <= last["global_step"] <= 5
+    assert f"SIGTERM: stopped after step {last['global_step']}" in job.text()
+    state = cluster.wait(job.id, states=("FAILED", "CANCELLED", "COMPLETED"), timeout=60)
+    print(f"\nscancel --signal=TERM: every rank gone after {gone:.1f} s; job {state['JobState']}")
+
+
+def test_a_requeued_job_whose_checkpoint_is_damaged_says_so_in_one_line(cluster, tmp_path):
+    job = Job(cluster, tmp_path / "damaged")
+    job.held()
+    cluster.requeue(job.id)
+    cluster.wait(job.id, states=("PENDING",), timeout=120, poll=0.5)
+    last = job.run_folder() / "checkpoints" / "last.ckpt"
+    last.write_bytes(last.read_bytes()[:1000])  # cut short, as a full disk leaves it
+    cluster.scontrol("update", f"jobid={job.id}", "StartTime=now")
+    info = cluster.wait(job.id, states=("FAILED", "COMPLETED"), timeout=180)
+    assert info["JobState"] == "FAILED"
+    second = job.text().split(f"SLURM requeues job {job.id}")[-1]
+    errors = {line for line in second.splitlines() if line.startswith("error:")}  # the same line from each node
+    assert len(errors) == 1 and f"error: {last}: truncated or damaged" in errors.pop(), second[-3000:]
+    assert last.stat().st_size == 1000  # left as it was: nothing overwritten
+
+
+def test_the_batch_script_with_more_tasks_per_node_than_devices_is_one_line(cluster, tmp_path):
+    job = Job(cluster, tmp_path / "tasks", "--ntasks-per-node=2", hold=False, more=("--trainer.devices=1",))
+    info = cluster.wait(job.id, states=("FAILED", "COMPLETED"), timeout=180)
+    assert info["JobState"] == "FAILED"
+    errors = sorted({line for line in job.text().splitlines() if line.startswith("error:")})
+    assert errors == [
+        "error: --trainer.devices=1, but SLURM starts 2 task(s) per node (#SBATCH --ntasks-per-node=2): one task per "
+        "device, so make the two equal (or drop --trainer.devices)"
+    ], job.text()[-3000:]
+    assert not (tmp_path / "tasks" / "runs" / "lightning_logs").exists()
+
+
+def test_num_nodes_that_disagrees_with_the_allocation_is_one_line(cluster, tmp_path):
+    job = Job(cluster, tmp_path / "nodes", hold=False, more=("--trainer.num_nodes=3",))
+    info = cluster.wait(job.id, states=("FAILED", "COMPLETED"), timeout=180)
+    assert info["JobState"] == "FAILED"
+    errors = sorted({line for line in job.text().splitlines() if line.startswith("error:")})
+    assert errors == [
+        f"error: --trainer.num_nodes=3, but SLURM job {job.id} has 2 node(s) (#SBATCH --nodes=2): make the two "
+        "equal (or drop --trainer.num_nodes)"
+    ], job.text()[-3000:]
+
+
+def test_srun_without_sbatch_trains_and_says_a_stop_cannot_be_requeued(cluster, tmp_path):
+    """``srun`` from a login node (no batch script): SLURM cannot requeue such a job; a stop says so and how to go
+    on, in one line."""
+    runs = tmp_path / "runs"
+    spec = {"class_path": "tests.hold_at_step.HoldAtStep", "init_args": {"folder": str(tmp_path)}}
+    command = ["srun", "--nodes=2", "--ntasks-per-node=1", "python", "cli.py", "fit", "--config", "tests/tiny.yaml"]
+    command += [*RUN, f"--trainer.default_root_dir={runs}", "--trainer.callbacks+=" + json.dumps(spec)]
+    process = subprocess.Popen(
+        cluster.on(cluster.net.node("a"), command), cwd=ROOT, env=cluster.env(), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "held").exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        job = cluster.client(["squeue", "-h", "-o", "%i", "-n", "python"]).stdout.split()
+        assert job, "no srun job"
+        cluster.client(["scancel", "--signal=USR1", job[0]])
+        out, _ = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert (
+        f"SLURM cannot requeue job {job[0]} (srun started it, not sbatch): continue with the same command plus "
+        "--ckpt_path last" in out
+    ), out[-4000:]
