@@ -33,6 +33,10 @@ FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (
     "tests/test_as_users_run_it.py": 750,
     "tests/test_reliability.py": 520,
     "tests/test_two_nodes.py": 630,
+    "tests/test_slurm_docs.py": 450,  # 5 SLURM jobs: 178 s alone, ~300 s beside other work (2026-11-28), x1.5
+    "tests/test_slurm_training.py": 600,  # 12 SLURM jobs, requeued and resumed: 390 s beside other work (2026-11-28)
+    "tests/test_slurm.py": 90,  # the cluster up and down: 29 s alone
+    "tests/test_slurm_job.py": 90,  # one slow test of two cli.py runs: 39 s beside other work
     "tests/test_fork.py": 400,
     "tests/test_chaos.py": 300,
     "tests/test_model_parallel.py": 320,

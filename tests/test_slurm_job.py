@@ -23,6 +23,7 @@ SLURM_VARS = (
     "SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT", "ENVIRONMENT",
     "SLURM_STEP_ID", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE",
     "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE",
+    "SLURM_PROCID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK",
 )  # fmt: skip
 
 
@@ -201,3 +202,14 @@ def test_on_a_login_node_with_srun_installed_a_run_says_nothing_of_srun(tmp_path
     assert result.returncode == 2, result.stderr[-3000:]
     [line] = [line for line in result.stderr.splitlines() if line.strip()]
     assert line.startswith("error: SLURM job 77 has 4 tasks, but its batch script runs cli.py itself"), line
+
+
+def test_under_srun_torchrun_the_first_process_is_torchruns_rank_0_whichever_task_its_agent_is(env):
+    """``srun torchrun``: SLURM_PROCID numbers the agents (one task per node), and torchrun orders the nodes itself,
+    so its rank 0 may run under SLURM's task 1; with no process first, no run folder was claimed."""
+    from app.launch.launcher import is_first_process
+
+    in_job(env, SLURM_PROCID="1", TORCHELASTIC_RUN_ID="77", LOCAL_WORLD_SIZE="2", WORLD_SIZE="4", RANK="0")
+    assert is_first_process()
+    env.setenv("RANK", "2")
+    assert not is_first_process()

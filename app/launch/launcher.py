@@ -186,6 +186,10 @@ def is_first_process() -> bool:
     if ranks is not None:
         return ranks[1] == 0
     # torchrun sets RANK; Lightning's ddp children LOCAL_RANK; a second node's launcher NODE_RANK; srun SLURM_PROCID.
+    # Under `srun torchrun` SLURM_PROCID numbers the torchrun agents, and torchrun may give rank 0 to another node's
+    # worker (it orders the nodes itself): its RANK alone says.
+    if torchrun_job() is not None:
+        return os.environ.get("RANK", "0") == "0"
     return all(os.environ.get(var, "0") == "0" for var in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID"))
 
 
