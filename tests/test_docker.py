@@ -21,14 +21,29 @@ def instruction(name: str) -> list[str]:
     return [line[len(name) + 1 :].strip() for line in INSTRUCTIONS if line.upper().startswith(name + " ")]
 
 
-def test_base_image_is_python_pinned_to_an_exact_tag_and_torch_comes_as_ci_installs_it():
-    """Not a pytorch/pytorch tag: its torch (2.5.1) was not the one the suite tests; pip resolves torch from
-    setup.cfg in the image as in CI (issue 35, item 4)."""
+def test_the_base_is_debian_bookworm_slim_with_debians_python_in_a_venv_and_torch_as_ci_installs_it():
+    """The base tests/fashion_mnist/test_container.py can stand in for without a registry (a debootstrapped bookworm,
+    issue 61): Debian's python3 and a venv at /opt/venv, first on PATH; not a pytorch/pytorch tag, whose torch was not
+    the one the suite tests: pip resolves torch from setup.cfg in the image as in CI (issue 35, item 4)."""
     (base,) = instruction("FROM")
-    image, _, tag = base.partition(":")
-    assert image == "python"
-    assert re.fullmatch(r"3\.\d+\.\d+-slim-\w+", tag), tag  # not "latest", not a floating tag
+    assert base == "debian:bookworm-slim"  # a release's name, not "latest"
+    apt = next(r for r in instruction("RUN") if "apt-get install" in r)
+    assert {"python3", "python3-venv"} <= set(shlex.split(apt))
+    assert any(shlex.split(r) == ["python3", "-m", "venv", "/opt/venv"] for r in instruction("RUN"))
+    env = dict(re.findall(r"(\w+)=(\S+)", " ".join(instruction("ENV"))))
+    assert env["PATH"].startswith("/opt/venv/bin:")
     assert "torch" not in " ".join(instruction("RUN")).replace("[mpi,tensorboard,plot]", "")
+
+
+def test_pip_keeps_no_cache_in_the_image_and_the_dependencies_layer_depends_on_setup_cfg_alone():
+    """pip's downloads go to a build cache mount, never into a layer; the dependencies are installed before the code
+    is copied, so that a change of code or docs does not install 5 GB again."""
+    installs = [r for r in instruction("RUN") if "pip install" in r]
+    cached = [r for r in installs if r.startswith("--mount=type=cache,target=/var/cache/pip ")]
+    assert cached and all("--cache-dir=/var/cache/pip" in r for r in cached), installs
+    assert all("--no-cache-dir" in r for r in installs if r not in cached), installs
+    copies_before = [c for c in INSTRUCTIONS[: INSTRUCTIONS.index("RUN " + installs[0])] if c.startswith("COPY ")]
+    assert copies_before == ["COPY setup.cfg pyproject.toml ./"], copies_before
 
 
 def test_the_image_can_compile_and_run_under_any_uid():
@@ -50,8 +65,9 @@ def test_runs_as_a_non_root_user_with_cli_py_as_entrypoint():
 
 
 def test_installs_the_same_requirement_set_as_ci():
-    """CI runs `make test` = pip install -e ".[dev]"; the image installs dev's runtime extras from the same file."""
-    (run,) = [r for r in instruction("RUN") if "pip install" in r]
+    """CI runs `make test` = pip install -e ".[dev]"; the image installs dev's runtime extras from the same file
+    (and then the project itself, without dependencies)."""
+    (run,) = [r for r in instruction("RUN") if "pip install" in r and ".[" in r]
     (target,) = [a for a in shlex.split(run) if a.startswith(".[")]
     image_extras = set(target[2:-1].split(","))
     cfg = configparser.ConfigParser(interpolation=None)
@@ -69,7 +85,7 @@ def test_every_copied_file_exists_and_dockerignore_keeps_data_out():
         for source in sources:
             assert (ROOT / source).exists(), source
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {"data", "lightning_logs", ".venv"} <= set(ignored)
+    assert {"data", "lightning_logs", ".venv", ".git", "tests"} <= set(ignored)
 
 
 def test_slurm_script_matches_its_preset():
@@ -95,9 +111,18 @@ def test_the_image_and_ci_bring_the_real_data():
 INSTALL = "make .venv/.installed-dev"
 
 
-def _ci_run(tmp_path, uid: int, apt: int | None, installed: bool = False, make: int = 0, install_fails: int = 0):
+def _ci_run(
+    tmp_path,
+    uid: int,
+    apt: int | None,
+    installed: bool = False,
+    make: int = 0,
+    install_fails: int = 0,
+    container_tools: bool = True,
+):
     """.ci/run with stand-ins for id, apt-get (None: not installed) and make, which record how they were called
-    (``make test`` exits ``make``; the first ``install_fails`` installs fail, as a download that breaks off)."""
+    (``make test`` exits ``make``; the first ``install_fails`` installs fail, as a download that breaks off);
+    ``container_tools``: podman, runc and debootstrap there."""
     import os
     import shutil
 
@@ -113,6 +138,9 @@ def _ci_run(tmp_path, uid: int, apt: int | None, installed: bool = False, make: 
     )
     stubs = {"id": f'[ "$1" = -u ] && echo {uid}', "make": make_stub}
     stubs |= {"ip": "exit 0", "iptables": "exit 0"}  # there: the two-node tests' install step has nothing to do
+    stubs |= {"slurmctld": "exit 0", "munged": "exit 0"}  # there: nor has the SLURM tests'
+    if container_tools:  # nor the container tests'
+        stubs |= {"podman": "exit 0", "runc": "exit 0", "debootstrap": "exit 0"}
     if apt is not None:
         stubs["apt-get"] = f'echo "apt-get $*" >> {log}; exit {apt}'
     for name, body in stubs.items():
@@ -150,3 +178,17 @@ def test_ci_tries_the_install_once_more_when_a_download_breaks_off(tmp_path):
     assert result.returncode == 0 and calls == [INSTALL, INSTALL, "make test"], (calls, result.stderr)
     result, calls = _ci_run(tmp_path, uid=1000, apt=0, install_fails=2)  # twice: CI fails, no suite on half a venv
     assert result.returncode != 0 and calls == [INSTALL, INSTALL], calls
+
+
+def test_ci_installs_podman_runc_and_debootstrap_as_root_when_missing_and_never_fails_for_it(tmp_path):
+    """The container tests' tools (tests/fashion_mnist/test_container.py); where apt-get cannot install them, the suite
+    is told to expect those tests' skip, whose reason starts "cannot build or run the image"."""
+    install = "apt-get install -y -qq podman runc debootstrap"
+    result, calls = _ci_run(tmp_path, uid=0, apt=0, installed=True, container_tools=False)
+    assert result.returncode == 0 and calls == ["apt-get update -qq", install, INSTALL, "make test"], calls
+    result, calls = _ci_run(tmp_path, uid=0, apt=100, installed=True, container_tools=False)
+    assert result.returncode == 0 and calls == ["apt-get update -qq", INSTALL, "make test"], calls
+    assert "could not install podman, runc and debootstrap" in result.stderr
+    assert "expect these skips: cannot build or run the image" in result.stderr
+    result, calls = _ci_run(tmp_path, uid=1000, apt=0, installed=True, container_tools=False)  # not root
+    assert result.returncode == 0 and calls == [INSTALL, "make test"], calls
