@@ -41,6 +41,7 @@ from tests.test_two_nodes import doc_commands
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm_docs")]  # one worker: one cluster for the file
 
+RECIPE = re.compile(r"configs/(?!multinode)[\w.-]+\.yaml")  # the task's recipe in a docs command
 SBATCH_SCRIPT = ROOT / "scripts" / "slurm_multinode.sbatch"
 TASKS = 2  # tasks (devices) per node: 2 nodes x 2 = 4 ranks, a CPU each
 EXACT = (
@@ -91,8 +92,14 @@ def reference(tmp_path_factory):
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def cpu_copy(text: str, changes: dict[str, str]) -> str:
-    """``text`` with each of ``changes`` made; each must be there exactly once (a change to the file is seen)."""
+def cpu_copy(text: str, changes: dict[str, str], recipe: bool = True) -> str:
+    """``text`` with each of ``changes`` made, and (``recipe``) the example's recipe (the first ``configs/`` file that
+    is no multi-node preset) swapped for the tests' own task; each must be there exactly once (a change to the file is
+    seen). The recipe is found, not named: a fork's script names its own."""
+    if recipe:
+        found = RECIPE.search(text)
+        assert found, f"no recipe config in:\n{text}"
+        changes = {**changes, found[0]: "tests/tiny.yaml"}
     for old, new in changes.items():
         assert text.count(old) == 1, f"expected {old!r} once in:\n{text}"
         text = text.replace(old, new)
@@ -109,7 +116,6 @@ def sbatch_script_on_cpus(folder: Path) -> Path:
                 "#SBATCH --gpus-per-node=4\n": "",
                 "--ntasks-per-node=4": f"--ntasks-per-node={TASKS}",
                 "--cpus-per-task=8": "--cpus-per-task=1",
-                "configs/fashion_mnist.yaml": "tests/tiny.yaml",
             },
         )
     )
@@ -202,7 +208,8 @@ def test_the_model_parallel_sbatch_lines_train_across_both_nodes_to_one_devices_
     started = time.monotonic()
     args = model_parallel_command(strategy)
     if strategy == "pipeline":
-        args = cpu_copy(" ".join(args), {"--trainer.strategy.stages=8": f"--trainer.strategy.stages={2 * TASKS}"})
+        stages = {"--trainer.strategy.stages=8": f"--trainer.strategy.stages={2 * TASKS}"}
+        args = cpu_copy(" ".join(args), stages, recipe=False)
         args = args.split()
     script = sbatch_script_on_cpus(tmp_path)
     root = tmp_path / "runs"
@@ -234,8 +241,7 @@ def test_horovod_under_mpirun_in_an_sbatch_allocation_trains_across_both_nodes_t
     command = cpu_copy(
         shlex.join(mpirun),
         {"mpirun ": "mpirun --allow-run-as-root ",  # docs/multi-node.md: as root, add it
-         "-np 8": f"-np {2 * TASKS}", "a:4,b:4": f"a:{TASKS},b:{TASKS}",
-         "configs/fashion_mnist.yaml": "tests/tiny.yaml"},
+         "-np 8": f"-np {2 * TASKS}", "a:4,b:4": f"a:{TASKS},b:{TASKS}"},
     )  # fmt: skip
     root = tmp_path / "runs"
     args = [*EXACT, *SHORT, f"--trainer.default_root_dir={root}", where_ranks_run(tmp_path)]
@@ -279,8 +285,7 @@ def test_the_elastic_slurm_block_trains_across_both_nodes_loses_one_and_ends_at_
             *(f"--trainer.callbacks+={json.dumps(c)}" for c in (record, hold))]  # fmt: skip
     block = cpu_copy(
         elastic_block(),
-        {" --gpus-per-node=4": "", "--nproc_per_node=4": f"--nproc_per_node={TASKS}",
-         "configs/fashion_mnist.yaml": "tests/tiny.yaml"},
+        {" --gpus-per-node=4": "", "--nproc_per_node=4": f"--nproc_per_node={TASKS}"},
     )  # fmt: skip
     script = tmp_path / "elastic.sbatch"
     script.write_text(block.rstrip("\n") + " \\\n    " + shlex.join(args) + "\n")
