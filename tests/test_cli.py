@@ -310,3 +310,23 @@ def test_a_bar_that_max_steps_stops_inside_an_epoch_ends_at_the_batches_it_train
     run_cli("fit", *args, "--trainer.logger=false", "--trainer.enable_checkpointing=false")
     [bar] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("Epoch 0/")][-1:]
     assert re.search(r" 2/8 .* [\d.]+it/s", bar) and "0.00it/s" not in bar, bar
+
+
+def test_ranks_that_mpirun_bound_to_cores_of_their_own_are_not_called_oversubscribed(monkeypatch):
+    """mpirun binds each of a node's ranks to a core of its own: a rank's affinity (1 core) against the node's
+    devices (2) said "2 CPU devices on 1 cores" on every rank of docs/multi-node.md's mpirun command, on a node with
+    a core per rank."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    from app.run import checks
+
+    trainer = SimpleNamespace(accelerator=CPUAccelerator(), num_devices=2, strategy=None)
+    monkeypatch.setattr(checks.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(checks.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(checks, "mpi_world_size", lambda: 2)
+    assert checks.cpu_oversubscription(trainer) is None
+    monkeypatch.setattr(checks, "mpi_world_size", lambda: 1)  # not bound by a launcher: 2 processes on 1 core
+    monkeypatch.setattr(checks, "parallelism", lambda strategy: SimpleNamespace(devices_per_process=1))
+    assert checks.cpu_oversubscription(trainer).startswith("--trainer.devices=2: 2 CPU devices on 1 cores")

@@ -102,6 +102,8 @@ def cpu_oversubscription(trainer: Trainer, cores: int | None = None) -> str | No
     """The cost, in one line, of more CPU devices on this node than it has cores (None when there are not)."""
     from lightning.pytorch.accelerators import CPUAccelerator
 
+    if cores is None and mpi_world_size() > 1 and usable_cores() < (os.cpu_count() or 1):
+        return None  # mpirun bound each rank to cores of its own: it placed the node's ranks, one device each
     cores = cores or usable_cores()
     devices = trainer.num_devices
     if not isinstance(trainer.accelerator, CPUAccelerator) or devices <= cores:
