@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
+from lightning.pytorch import Callback, Trainer
 from torch import nn
 
 from app.callbacks import ActivationCheckpointing, LRWarmup, SyncBatchNorm
@@ -25,7 +26,7 @@ from app.errors import UserError
 from tests import warm
 from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import BN_WARMUP, REFERENCE, TOLERANCE, VARIANT_CASES, buffer_error, relative_error
-from tests.tiny import LR, TinyClassifier
+from tests.tiny import LR, TinyClassifier, TinyData
 
 
 # ================================================================================================ SyncBatchNorm
@@ -218,6 +219,43 @@ def test_a_warmup_longer_than_the_run_says_so_in_its_line(workdir, caplog):
     with caplog.at_level("INFO"):
         fit_one_epoch("--trainer.callbacks+=app.callbacks.LRWarmup", "--trainer.callbacks.warmup_steps=20")
     assert "LRWarmup: linear warmup over 20 steps, from 0.1 x lr (longer than this run's 8 steps: " in caplog.text
+
+
+class _LoseARankInTheStep(Callback):
+    """In the backward of the batch after optimizer step 3: a save as the rank watchdog's thread takes it while the
+    training thread is inside that step, then the step's collective fails (a lost rank), and the training thread's
+    own save after the failure (app/callbacks/elastic/failure.py's two survivor saves)."""
+
+    def __init__(self, folder) -> None:
+        self.folder = folder
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        if trainer.global_step == 3:
+            trainer.save_checkpoint(self.folder / "in_step.ckpt")
+            raise RuntimeError("Connection closed by peer")
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        trainer.save_checkpoint(self.folder / "after_failure.ckpt")
+
+
+def test_a_step_that_fails_or_is_saved_midway_leaves_the_lr_unscaled_in_the_optimizer_and_its_checkpoint(tmp_path):
+    """The warmup factor is on the optimizer's lr only for the update itself. A checkpoint a survivor wrote while the
+    step after step 3 was in flight held lr x factor(3): the resumed run applied the factor twice (its lr 5.5e-06
+    instead of 5.2e-04 on the two-node SLURM job of tests/test_slurm_training.py), unlike an unbroken run."""
+    fail = _LoseARankInTheStep(tmp_path)
+    warmup = LRWarmup(warmup_steps=6, scale_lr="linear", reference_batch=32)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_steps=8, callbacks=[warmup, fail], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        trainer.fit(TinyClassifier(), TinyData())
+    assert warmup.factor(3) != 1.0  # (16 / 32 x the warmup's 0.55)
+    assert [group["lr"] for group in trainer.optimizers[0].param_groups] == [LR]
+    for name in ("in_step.ckpt", "after_failure.ckpt"):
+        saved = torch.load(tmp_path / name, map_location="cpu", weights_only=False)
+        assert saved["global_step"] == 3
+        assert [group["lr"] for group in saved["optimizer_states"][0]["param_groups"]] == [LR], name
 
 
 @pytest.mark.slow

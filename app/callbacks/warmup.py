@@ -15,9 +15,10 @@ How it combines with the main schedule: the LR the optimizer uses at optimizer s
 - ``warmup(t)`` for t < T = the warmup steps, and 1 from then on:
   ``linear``: start + (1 - start) * t / T; ``exponential``: start ** (1 - t / T); ``constant``: start.
 
-The factor is applied for the duration of ``optimizer.step()`` only (torch's optimizer step hooks), so it works
-under every strategy, with any optimizer, and it resumes exactly from a checkpoint: it depends on nothing but
-``trainer.global_step``. The LR each step used is logged as ``train/lr``.
+The factor is applied for the update only (torch's optimizer step hooks: from the end of the step's closure, its
+forward and backward, to the end of ``optimizer.step()``), so it works under every strategy, with any optimizer, a
+checkpoint written while a step is in flight or after it failed holds ``main_lr``, and it resumes exactly from a
+checkpoint: it depends on nothing but ``trainer.global_step``. The LR each step used is logged as ``train/lr``.
 """
 
 from __future__ import annotations
@@ -133,17 +134,38 @@ class LRWarmup(Callback):
             self._handles.append(optimizer.register_step_post_hook(self._restore))
 
     def _make_pre_hook(self, trainer: Trainer):
-        def apply(optimizer, args, kwargs) -> None:
+        def apply(optimizer, args, kwargs):
+            self._restore(optimizer, args, kwargs)  # a step that raised in its update left the factor on
             factor = self.factor(trainer.global_step)
-            self._saved[id(optimizer)] = [group["lr"] for group in optimizer.param_groups]
-            for group in optimizer.param_groups:
-                group["lr"] = group["lr"] * factor
-            self._last_lr = float(optimizer.param_groups[0]["lr"])
+            closure = kwargs.get("closure", args[0] if args else None)
+            if closure is None:  # the forward and backward ran already (AMP's grad scaler, manual optimization)
+                self._scale(optimizer, factor)
+                return None
+
+            # Lightning's step runs the forward and backward in the closure, inside optimizer.step(): the factor goes
+            # on once the closure returned, so that a step that fails in them (a lost rank's collective) leaves no
+            # scaled lr in the optimizer, and a checkpoint written meanwhile (the Elastic callback's survivor save,
+            # from the watchdog's thread) holds the main schedule's lr, which a resume would scale again.
+            def closure_then_scale():
+                result = closure()
+                if id(optimizer) not in self._saved:  # once (LBFGS calls its closure again)
+                    self._scale(optimizer, factor)
+                return result
+
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": closure_then_scale}
+            return (closure_then_scale, *args[1:]), kwargs
 
         return apply
 
+    def _scale(self, optimizer, factor: float) -> None:
+        self._saved[id(optimizer)] = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+        self._last_lr = float(optimizer.param_groups[0]["lr"])
+
     def _restore(self, optimizer, args, kwargs) -> None:
-        for group, lr in zip(optimizer.param_groups, self._saved.pop(id(optimizer)), strict=True):
+        for group, lr in zip(optimizer.param_groups, self._saved.pop(id(optimizer), ()), strict=False):
             group["lr"] = lr
 
     # ---------------------------------------------------------------- logging and clean-up
