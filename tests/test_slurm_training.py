@@ -95,6 +95,17 @@ class Job:
                 pytest.fail(f"job {self.id} did not reach step 3 ({info.get('JobState')}):\n{self.text()[-4000:]}")
             time.sleep(0.5)
 
+    def release(self, *update: str) -> None:
+        """Once SLURM holds the requeued job (PENDING, Reason=BeginTime: 2 minutes by default), start it now, with
+        ``update`` (``TimeLimit=10``), once every process of its first start is gone: started while a node still
+        cleans up after the first, the job is killed ("Job credential revoked", seen under load)."""
+        self.cluster.wait(self.id, states=("PENDING",), timeout=240, poll=0.5)
+        deadline = time.monotonic() + 60
+        while job_processes(self.cluster, self.folder) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(1)  # slurmd's own bookkeeping after the last process
+        self.cluster.scontrol("update", f"jobid={self.id}", *update, "StartTime=now")
+
     def text(self) -> str:
         return self.output.read_text() if self.output.exists() else ""
 
@@ -122,7 +133,8 @@ def unbroken_job(cluster, folder: Path, *more: str):
 
     @cache
     def result() -> dict:
-        assert job.finished()["JobState"] == "COMPLETED"  # (SLURM forgets a job MinJobAge after its end: once)
+        info = job.finished()  # (SLURM forgets a job MinJobAge after its end: once)
+        assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "0"), job.text()[-3000:]  # never stopped
         return job.last()
 
     return result
@@ -163,7 +175,7 @@ def test_scontrol_requeue_mid_epoch_resumes_by_itself_in_the_same_run_bitwise_li
     job.held()
     requeued = time.time()
     cluster.requeue(job.id)
-    cluster.release_begin_time(job.id)  # SLURM holds a requeued job back 2 minutes (BeginTime)
+    job.release()  # (SLURM holds a requeued job back 2 minutes: BeginTime)
     released = time.time()
     info = job.finished()
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1")
@@ -188,9 +200,8 @@ def test_the_time_limit_warning_signal_saves_requeues_and_resumes_bitwise(cluste
     deadline = time.monotonic() + 240
     while (cluster.state(job.id) or {}).get("Restarts") != "1" and time.monotonic() < deadline:
         time.sleep(1)
-    cluster.wait(job.id, states=("PENDING",), timeout=60, poll=1)
     # its next start would get the warning again 100 s before its own limit: the admin gives it more time
-    cluster.scontrol("update", f"jobid={job.id}", "TimeLimit=10", "StartTime=now")
+    job.release("TimeLimit=10")
     info = job.finished()
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1")
     text = job.text()
@@ -205,8 +216,7 @@ def test_a_sigterm_at_the_time_limit_saves_requeues_and_resumes_bitwise(cluster,
     would end as TIMEOUT; the run saves and requeues it (Reason=TimeLimit tells the limit from scancel)."""
     job = Job(cluster, tmp_path / "sigterm-limit", "--time=1", drop=("--signal",))
     job.held()
-    cluster.wait(job.id, states=("PENDING",), timeout=240, poll=1)
-    cluster.scontrol("update", f"jobid={job.id}", "TimeLimit=10", "StartTime=now")
+    job.release("TimeLimit=10")
     info = job.finished()
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1")
     text = job.text()
@@ -223,7 +233,7 @@ def test_a_job_preempted_by_a_higher_priority_partition_resumes_bitwise(cluster,
     # every CPU of both nodes, in the partition that preempts (PreemptMode=REQUEUE)
     high = cluster.sbatch(urgent, "--partition=high", "--nodes=2", "--ntasks-per-node=2", f"--output={tmp_path}/u.out")
     cluster.wait(high, timeout=120)
-    cluster.release_begin_time(job.id)
+    job.release()
     info = job.finished()
     assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1")
     assert f"SLURM requeues job {job.id}: its next start resumes from it by itself" in job.text(), job.text()[-4000:]
@@ -236,6 +246,7 @@ def test_a_lost_node_the_survivor_saves_the_step_requeues_and_the_job_resumes_on
     """Node b's slurmd and rank are killed at step 3. Rank 0's watchdog names rank 1 lost within 15 s and saves
     the step from its own thread; SLURM sees the node fail, and the job, requeued (by SLURM or by rank 0, whichever
     comes first), waits until b is back, then resumes from step 3."""
+    unbroken_without_dropout()  # over before node b is lost: it runs a rank there too
     job = Job(cluster, tmp_path / "lost-node", more=NO_DROPOUT)
     job.held()
     cluster.kill_node("b")  # its slurmd and rank 1
@@ -246,7 +257,7 @@ def test_a_lost_node_the_survivor_saves_the_step_requeues_and_the_job_resumes_on
         assert re.search(rf"Saved the state after step 3 to \S+; SLURM requeued job {job.id}", text), text[-4000:]
     finally:
         cluster.start_node("b")
-    cluster.release_begin_time(job.id)
+    job.release()
     info = job.finished()
     assert info["JobState"] == "COMPLETED"
     assert resumed_at(job) == 3
@@ -255,6 +266,11 @@ def test_a_lost_node_the_survivor_saves_the_step_requeues_and_the_job_resumes_on
 
 def rank_processes(cluster) -> list[int]:
     return [p for node in cluster.nodes for p in node.pids() if "cli.py" in _cmdline(p)]
+
+
+def job_processes(cluster, folder: Path) -> list[int]:
+    """The processes of a job of :class:`Job` (its script and its ranks name its folder)."""
+    return [p for node in cluster.nodes for p in node.pids() if str(folder) in _cmdline(p)]
 
 
 def _cmdline(pid: int) -> str:
@@ -291,7 +307,7 @@ def test_a_requeued_job_whose_checkpoint_is_damaged_says_so_in_one_line(cluster,
     cluster.wait(job.id, states=("PENDING",), timeout=120, poll=0.5)
     last = job.run_folder() / "checkpoints" / "last.ckpt"
     last.write_bytes(last.read_bytes()[:1000])  # cut short, as a full disk leaves it
-    cluster.scontrol("update", f"jobid={job.id}", "StartTime=now")
+    job.release()
     info = cluster.wait(job.id, states=("FAILED", "COMPLETED"), timeout=180)
     assert info["JobState"] == "FAILED"
     second = job.text().split(f"SLURM requeues job {job.id}")[-1]
