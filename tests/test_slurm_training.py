@@ -211,6 +211,30 @@ def test_the_time_limit_warning_signal_saves_requeues_and_resumes_bitwise(cluste
     assert_bitwise(job, unbroken)
 
 
+def test_the_warning_signal_while_the_job_still_starts_is_kept_and_acted_on_after_the_first_step(
+    cluster, unbroken, tmp_path
+):
+    """SIGUSR1 in the seconds a rank spends importing (``--signal=USR1@N`` on a job that started late in its time):
+    its default action ended the process, and the job ended unsaved and was not requeued. cli.py keeps it from its
+    first lines; the run stops after its first step, saves, requeues, and resumes bitwise."""
+    job = Job(cluster, tmp_path / "early", hold=False)
+    deadline = time.monotonic() + 120
+    while len([p for p in job_processes(cluster, job.folder) if _is_rank(_cmdline(p))]) < 2:
+        assert time.monotonic() < deadline, job.text()[-3000:]
+        time.sleep(0.05)
+    time.sleep(1)  # both ranks past the interpreter's own start (srun's own command line names cli.py too), well
+    # inside their imports (seconds)
+    assert not (job.folder / "runs").exists() or not list((job.folder / "runs").rglob("*.ckpt"))
+    cluster.scancel(job.id, "USR1")  # what --signal=USR1@N sends: the job's tasks
+    job.release()
+    info = job.finished()
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), job.text()[-4000:]
+    text = job.text()
+    assert f"Requeued SLURM job {job.id} (before its time limit): its next start resumes from it by itself" in text
+    assert 1 <= resumed_at(job) <= 3
+    assert_bitwise(job, unbroken)
+
+
 def test_a_sigterm_at_the_time_limit_saves_requeues_and_resumes_bitwise(cluster, unbroken, tmp_path):
     """A script without ``--signal``: SLURM sends SIGTERM at the limit (twice, 50 ms apart: one stop), and the job
     would end as TIMEOUT; the run saves and requeues it (Reason=TimeLimit tells the limit from scancel)."""
@@ -266,6 +290,11 @@ def test_a_lost_node_the_survivor_saves_the_step_requeues_and_the_job_resumes_on
 
 def rank_processes(cluster) -> list[int]:
     return [p for node in cluster.nodes for p in node.pids() if "cli.py" in _cmdline(p)]
+
+
+def _is_rank(command: str) -> bool:
+    words = command.split()
+    return len(words) > 1 and Path(words[0]).name.startswith("python") and words[1].endswith("cli.py")
 
 
 def job_processes(cluster, folder: Path) -> list[int]:

@@ -247,6 +247,10 @@ class Preemption(Callback):
         signum = self._agreed_signal(trainer)
         if not signum:
             return
+        if trainer.sanity_checking and signum == SLURM_WARNING_SIGNAL:
+            # the time limit is still ahead: train the first step and stop there, with a checkpoint and a requeue
+            # (the reduction just issued stays pending: the first step's hook reads it)
+            return
         self._collect()
         self._local_ranks = take_over_local_ranks(trainer)
         if trainer.sanity_checking:  # before the first step: nothing to save
