@@ -39,7 +39,8 @@ from tests.test_elastic import BATCH, SAMPLES, assert_each_sample_once_per_epoch
 from tests.test_elastic import EPOCHS as ELASTIC_EPOCHS
 from tests.test_two_nodes import doc_commands
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm_docs")]  # one worker: one cluster for the file
+# one worker: one cluster for the file; jobs that wait on each other may pass 300 s under load
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm_docs"), pytest.mark.timeout(900)]
 
 RECIPE = re.compile(r"configs/(?!multinode)[\w.-]+\.yaml")  # the task's recipe in a docs command
 SBATCH_SCRIPT = ROOT / "scripts" / "slurm_multinode.sbatch"

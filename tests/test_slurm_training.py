@@ -28,7 +28,9 @@ import torch
 from tests.conftest import ROOT
 from tests.slurm import SlurmCluster, slurm_available
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm-training")]
+# one worker, one cluster; a test waits for jobs, requeues and (the lost node's) its reference job: more than 300 s
+# under load
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm-training"), pytest.mark.timeout(900)]
 
 SHIPPED = ROOT / "scripts" / "slurm_multinode.sbatch"
 STEPS = 16  # 2 epochs of 8 steps
