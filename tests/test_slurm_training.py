@@ -52,6 +52,20 @@ def cluster(tmp_path_factory):
         yield made
 
 
+@pytest.fixture(autouse=True)
+def no_job_left(cluster):
+    """A test that failed leaves no job behind to hold the next test's CPUs (a cascade of waits, seen under load)."""
+    yield
+    left = cluster.client(["squeue", "-h", "-o", "%i"], check=False).stdout.split()
+    if left:
+        cluster.client(["scancel", *left], check=False)
+        deadline = time.monotonic() + 60
+        while cluster.client(["squeue", "-h", "-o", "%i"], check=False).stdout.split():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+
+
 def cpu_script(folder: Path, drop: tuple[str, ...] = ()) -> Path:
     """The shipped script with its GPU lines swapped for CPU: one task per node (each node has 2 CPUs, and a test's
     job runs beside the unbroken one), no GPUs, the tests' tiny task for the example's recipe; ``drop``: #SBATCH
@@ -106,7 +120,9 @@ class Job:
         while job_processes(self.cluster, self.folder) and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(1)  # slurmd's own bookkeeping after the last process
-        self.cluster.scontrol("update", f"jobid={self.id}", *update, "StartTime=now")
+        done = self.cluster.scontrol("update", f"jobid={self.id}", *update, "StartTime=now", check=False)
+        if done.returncode != 0 and "no longer pending" not in done.stderr:  # (it started by itself meanwhile)
+            raise AssertionError(f"scontrol update of job {self.id}: {done.stderr.strip()}")
 
     def text(self) -> str:
         return self.output.read_text() if self.output.exists() else ""
