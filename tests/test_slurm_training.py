@@ -118,11 +118,17 @@ class Job:
         self.cluster.wait(self.id, states=("PENDING",), timeout=240, poll=0.5)
         deadline = time.monotonic() + 60
         while job_processes(self.cluster, self.folder) and time.monotonic() < deadline:
+            if not self.pending():  # its hold ran out and it started by itself: these are its second start's processes
+                return
             time.sleep(0.2)
         time.sleep(1)  # slurmd's own bookkeeping after the last process
         done = self.cluster.scontrol("update", f"jobid={self.id}", *update, "StartTime=now", check=False)
-        if done.returncode != 0 and "no longer pending" not in done.stderr:  # (it started by itself meanwhile)
+        started = ("no longer pending", "already finished")  # it started by itself meanwhile, and may even have ended
+        if done.returncode != 0 and not any(words in done.stderr for words in started):
             raise AssertionError(f"scontrol update of job {self.id}: {done.stderr.strip()}")
+
+    def pending(self) -> bool:
+        return (self.cluster.state(self.id) or {}).get("JobState") == "PENDING"
 
     def text(self) -> str:
         return self.output.read_text() if self.output.exists() else ""
