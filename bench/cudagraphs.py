@@ -19,6 +19,11 @@ probe says why, in one command. Each variant runs in a fresh process on the same
 - ``+profile`` after a ``cli.py`` variant: the timed epoch under ``cProfile`` (:class:`StepProfile`); where the host's
   time goes, written beside the logs as ``<variant>.profile.txt`` (the step times of that variant include the
   profiler's own cost).
+- ``+kernels`` after any of them: steps 10 to 40 of the timed epoch under ``torch.profiler`` with CUDA's
+  synchronisation checks on (:class:`KernelProfile`): kernels and kernel time per step, the host's waits for the
+  device (``cudaStreamSynchronize`` and the like) and the lines that caused them
+  (``torch.cuda.set_sync_debug_mode("warn")``), the top kernels, written as ``<variant>.kernels.txt``; what differs
+  between two variants on the device, where the step times alone do not say (their times include the profiler's).
 
 For each: the per-step median, p90 and max of the host time (between step starts, ``perf_counter``) and of the
 device time (CUDA events around each step, read after the run: nothing waits inside it), over the steps after the
@@ -64,6 +69,9 @@ MECHANISMS = {
 }
 STEP_TIMES = "BENCH_STEP_TIMES"  # where StepTimes writes (an environment variable: cli.py's callbacks take no path)
 PROFILE = "BENCH_PROFILE"  # where StepProfile writes
+KERNELS = "BENCH_KERNELS"  # where KernelProfile writes (JSON, and the tables beside it as .txt)
+# The CUDA runtime calls in which the host waits for the device
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaStreamWaitEvent")
 
 
 # ------------------------------------------------------------------------------------------------ in the runs
@@ -170,10 +178,100 @@ class StepProfile(Callback):
         self._profile = None
 
 
+class KernelProfile:
+    """Some steps under ``torch.profiler`` (CPU and CUDA) and ``torch.cuda.set_sync_debug_mode("warn")``: per step,
+    the kernels launched and their time on the device, the runtime calls that made the host wait (:data:`WAITS`), the
+    copies, and the Python lines whose tensor reads synchronised; the top kernels and host calls as tables."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.steps = 0
+        self._profiler = None
+        self._warnings = None
+        self._caught: list = []
+
+    def start(self) -> None:
+        import warnings
+
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = torch.cuda.is_available()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self._profiler = profile(activities=activities)
+        self._profiler.__enter__()
+        self._warnings = warnings.catch_warnings(record=True)
+        self._caught = self._warnings.__enter__()
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def step(self) -> None:
+        self.steps += self._profiler is not None
+
+    def stop(self) -> None:
+        if self._profiler is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize()
+        self._profiler.__exit__(None, None, None)
+        self._warnings.__exit__(None, None, None)
+        events = self._profiler.key_averages()
+        self._profiler = None
+        steps = max(self.steps, 1)
+
+        def device_us(event) -> float:
+            return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0
+
+        on_device = [e for e in events if device_us(e) > 0 and "cuda" in str(getattr(e, "device_type", "")).lower()]
+        kernels = [e for e in on_device if not e.key.startswith("Memcpy") and not e.key.startswith("Memset")]
+        sites = Counter(
+            f"{Path(w.filename).name}:{w.lineno}" for w in self._caught if "synchronizing" in str(w.message).lower()
+        )
+        summary = {
+            "steps": self.steps,
+            "kernels per step": round(sum(e.count for e in kernels) / steps, 1),
+            "kernel ms per step": round(sum(device_us(e) for e in kernels) / steps / 1e3, 3),
+            "copies per step": {e.key: round(e.count / steps, 2) for e in on_device if e.key.startswith("Memcpy")},
+            "waits per step": {e.key: round(e.count / steps, 2) for e in events if e.key in WAITS},
+            "sync sites per step": {site: round(n / steps, 2) for site, n in sites.most_common(8)},
+        }
+        self.path.write_text(json.dumps(summary))
+        sort = "self_cuda_time_total"
+        tables = []
+        for key, title in ((sort, "kernels by device time"), ("self_cpu_time_total", "host calls by own time")):
+            try:
+                tables.append(f"## {title}\n{events.table(sort_by=key, row_limit=25, max_name_column_width=70)}")
+            except (AttributeError, KeyError, ValueError):  # a torch that names the device column otherwise
+                tables.append(f"## {title}\n{events.table(sort_by='self_device_time_total', row_limit=25)}")
+        self.path.with_suffix(".txt").write_text(f"{json.dumps(summary, indent=1)}\n\n" + "\n\n".join(tables))
+
+
+class StepKernels(Callback):
+    """Steps 10 to 40 of the last training epoch under :class:`KernelProfile`, written to ``$BENCH_KERNELS``."""
+
+    FIRST, LAST = 10, 40
+
+    def __init__(self) -> None:
+        self._kernels = KernelProfile(os.environ.get(KERNELS, "kernels.json"))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        if trainer.current_epoch == trainer.max_epochs - 1 and batch_idx == self.FIRST:
+            self._kernels.start()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        self._kernels.step()
+        if batch_idx == self.LAST - 1:
+            self._kernels.stop()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self._kernels.stop()  # an epoch shorter than LAST steps
+
+
 # ------------------------------------------------------------------------------------------------ the variants
 def command(variant: str, args, data_dir: Path) -> list[str]:
     variant, *flags = variant.split("+")
-    mark, profile, on_device = "mark" in flags, "profile" in flags, "device" in flags
+    mark, profile, on_device, kernels = "mark" in flags, "profile" in flags, "device" in flags, "kernels" in flags
     base, _, strategy = variant.partition("@")
     if base == "plain":
         cmd = [
@@ -183,6 +281,7 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
             "--channels-last" if args.channels_last else "--no-channels-last",
             "--compile" if args.compile else "--no-compile", f"--compile-mode={args.compile_mode}",
         ]  # fmt: skip
+        cmd += ["--kernels"] if kernels else []
         return cmd + (["--mark-steps"] if mark else []) + (["--data-on-device"] if on_device else [])
     accelerator = "gpu" if args.device.startswith("cuda") else "cpu"
     cmd = [
@@ -208,6 +307,7 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
         cmd += ["--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=50"]
     cmd += ["--trainer.callbacks+=bench.cudagraphs.StepMarks"] if mark else []
     cmd += ["--data.on_device=true"] if on_device else []
+    cmd += ["--trainer.callbacks+=bench.cudagraphs.StepKernels"] if kernels else []
     return cmd + (["--trainer.callbacks+=bench.cudagraphs.StepProfile"] if profile else [])
 
 
@@ -216,8 +316,9 @@ def run_variant(variant: str, args, data_dir: Path, logs: Path, repeat: int = 0)
         times = Path(workdir) / "steps.json"
         stem = f"{variant}.r{repeat + 1}" if args.repeats > 1 else variant
         log = logs / f"{stem}.log"
-        profile = logs / f"{stem}.profile.txt"
+        profile, kernels = logs / f"{stem}.profile.txt", logs / f"{stem}.kernels.json"
         env = {**os.environ, "TORCH_LOGS": TORCH_LOGS, STEP_TIMES: str(times), PROFILE: str(profile)}
+        env[KERNELS] = str(kernels)
         env["PYTHONPATH"] = str(ROOT)
         with log.open("w") as out:
             result = subprocess.run(
@@ -235,7 +336,10 @@ def run_variant(variant: str, args, data_dir: Path, logs: Path, repeat: int = 0)
             )
             return {"repeat": repeat + 1, "variant": variant, "ms per step": None, "failed": result.returncode}
         steps = json.loads(times.read_text())
-    return {"repeat": repeat + 1, **summarize(variant, steps, log.read_text())}
+    row = {"repeat": repeat + 1, **summarize(variant, steps, log.read_text())}
+    if kernels.exists():
+        row.update(json.loads(kernels.read_text()))
+    return row
 
 
 def spread(rows: list[dict]) -> str:

@@ -10,6 +10,8 @@
 #   probe  python -m bench.cudagraphs: where a compiled step loses its CUDA graphs (plain loop, cli.py, Lightning;
 #          the checkout in .gpu/baseline too, where there is one: git archive COMMIT | tar -x -C .gpu/baseline)
 #   eager  the same probe without compiling (EAGER_VARIANTS): one GPU under auto, dp and ddp against the plain loop
+#   kernels  the probe's +kernels variants (KERNEL_VARIANTS, eager unless KERNEL_COMPILE=1): kernels, device time,
+#          waits for the device and the lines that synchronised, per step; what separates two variants on the device
 #   bench  python -m bench --repeats 3: cli.py fit on one GPU under auto, dp and ddp against the plain loop
 #   data   the seeds' d2l settings and the full recipe on the real data (configs/d2l.yaml, fashion_mnist.yaml),
 #          the GPU tests beside them
@@ -59,6 +61,13 @@ for step in "$@"; do
             --channels-last --no-compile --steps 60 --variants "${EAGER_VARIANTS:-plain+device,cli+device,cli@dp+device,cli@ddp+device}" \
             --repeats "${REPEATS:-1}"
         ;;
+    kernels)
+        mode=(--no-compile)
+        [ "${KERNEL_COMPILE:-0}" = 1 ] && mode=(--compile-mode reduce-overhead)
+        section kernels "${KERNELS_LIMIT:-200}" $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
+            --channels-last "${mode[@]}" --steps 60 \
+            --variants "${KERNEL_VARIANTS:-plain+device+kernels,cli+device+kernels,cli@dp+device+kernels,cli@ddp+device+kernels}"
+        ;;
     bench)
         section bench "${BENCH_LIMIT:-240}" $PY -m bench --arch resnet18 --batch-size 256 --precision bf16-mixed \
             --channels-last --strategies auto,dp,ddp --steps 100 --repeats 3 --data-dir /tmp/bench-data
@@ -80,5 +89,8 @@ for step in "$@"; do
         ;;
     *) echo "unknown section $step" ;;
     esac
+    for logs in bench/results/cudagraphs-*-logs; do  # each section's logs kept apart (the probe starts its folder anew)
+        [ -d "$logs" ] && mv "$logs" "$logs-$step-${BENCH_COMMIT:-wip}"
+    done
 done
 tar czf "$OUT/results.tgz" bench/results

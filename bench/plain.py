@@ -21,7 +21,7 @@ from torch import nn
 from app.fashion_mnist.data import MEAN, STD, FashionMNISTDataModule
 from app.fashion_mnist.model import DEFAULT_SGD
 from app.fashion_mnist.networks import build_resnet
-from bench.cudagraphs import STEP_TIMES, StepTimer
+from bench.cudagraphs import KERNELS, STEP_TIMES, KernelProfile, StepTimer
 
 
 def synchronize(device: torch.device) -> None:
@@ -47,6 +47,7 @@ def train(args: argparse.Namespace, device: torch.device, images: torch.Tensor, 
         images, labels, order = images.to(device), labels.to(device), order.to(device)
 
     timer = StepTimer(device)
+    kernels = KernelProfile(args.kernels) if args.kernels else None
 
     def step(i: int) -> None:
         timer.start()
@@ -72,8 +73,16 @@ def train(args: argparse.Namespace, device: torch.device, images: torch.Tensor, 
     synchronize(device)
     start = time.perf_counter()
     for i in range(args.steps, 2 * args.steps):
+        if kernels and i - args.steps == 10:  # steps 10 to 40 of the timed ones, as bench.cudagraphs.StepKernels
+            kernels.start()
         step(i)
+        if kernels:
+            kernels.step()
+            if i - args.steps == 39:
+                kernels.stop()
     synchronize(device)
+    if kernels:
+        kernels.stop()
     seconds = time.perf_counter() - start
     if args.step_times:  # bench.cudagraphs: each timed step's host and device time
         timer.write(args.step_times, skip=args.steps)
@@ -95,6 +104,9 @@ def main() -> None:
     parser.add_argument("--mark-steps", action="store_true", help="cudagraph_mark_step_begin() before every step")
     parser.add_argument("--data-on-device", action="store_true", help="the training set on the device (no pinning)")
     parser.add_argument("--step-times", default=os.environ.get(STEP_TIMES), help="write per-step times (JSON) here")
+    parser.add_argument(
+        "--kernels", nargs="?", const=os.environ.get(KERNELS, "kernels.json"), help="profile steps 10-40 (JSON) here"
+    )
     args = parser.parse_args()
 
     data = FashionMNISTDataModule(data_dir=args.data_dir, source=args.source, batch_size=args.batch_size)

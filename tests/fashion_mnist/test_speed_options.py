@@ -3,6 +3,7 @@
 import collections
 import copy
 import csv
+import json
 import logging
 import re
 import sys
@@ -520,3 +521,23 @@ def test_the_cudagraph_probe_runs_its_variants(tmp_path):
     assert all(row["ms per step"] > 0 for row in rows)
     assert [row["steps"] for row in rows] == [2, 2]  # the timed steps' intervals (the last epoch's, after warm-up)
     assert all(float(row["host ms median/p90/max"].split("/")[0]) > 0 for row in rows)
+
+
+def test_the_kernel_profile_counts_its_steps_and_writes_its_tables(tmp_path):
+    """``+kernels`` (bench.cudagraphs.KernelProfile): per-step figures over the steps between start and stop, and the
+    tables beside them; on CPU there are no kernels and no waits, and a second stop changes nothing."""
+    from bench.cudagraphs import KernelProfile
+
+    net = torch.nn.Linear(8, 2)
+    profile = KernelProfile(tmp_path / "k.json")
+    net(torch.randn(4, 8)).sum().backward()  # before start: not counted
+    profile.step()
+    profile.start()
+    for _ in range(3):
+        net(torch.randn(4, 8)).sum().backward()
+        profile.step()
+    profile.stop()
+    profile.stop()
+    summary = json.loads((tmp_path / "k.json").read_text())
+    assert summary["steps"] == 3 and summary["kernels per step"] == 0 and summary["waits per step"] == {}
+    assert "host calls by own time" in (tmp_path / "k.txt").read_text()
