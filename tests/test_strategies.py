@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from app.errors import UserError
 from app.run.checks import NEEDS
 from app.strategies import DataParallelStrategy, HorovodStrategy
-from app.strategies.dp import combine_outputs, in_context, split_batch
+from app.strategies.dp import combine_outputs, compiled_modules, in_context, split_batch
 from app.strategies.horovod import horovod_available
 from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import (
@@ -246,6 +246,14 @@ def test_dp_refuses_a_compiled_module_of_any_task_before_a_step(wrapper, tmp_pat
     ):
         trainer.fit(model, datamodule=TinyData())
     assert trainer.global_step == 0
+
+
+def test_dp_on_one_device_runs_a_compiled_module_as_a_single_device_does(tmp_path):
+    """One device: nothing is replicated or split (nn.DataParallel's rule), so nothing stops a compiled network."""
+    model = CompiledInConfigureModel(wrapper=False)
+    trainer = Trainer(strategy="dp", accelerator="cpu", devices=1, logger=False, max_steps=2, default_root_dir=tmp_path)
+    trainer.fit(model, datamodule=TinyData())
+    assert trainer.global_step == 2 and compiled_modules(model) == ["net.head"]
 
 
 def test_horovod_devices_must_match_launched_processes(monkeypatch):

@@ -118,13 +118,13 @@ class DataParallelStrategy(ParallelStrategy):
 
     @override
     def model_to_device(self) -> None:
-        """Called in set-up, after the task's ``configure_model`` (where a task compiles its network)."""
-        compiled = compiled_modules(self.model)
+        """Called in set-up, after the task's ``configure_model`` (where a task compiles its network). On one device
+        dp neither replicates nor splits (as ``nn.DataParallel``), so a compiled module runs as on a single device."""
+        compiled = compiled_modules(self.model) if len(self.parallel_devices) > 1 else []
         if compiled:
             raise UserError(
                 f"--trainer.strategy=dp cannot run a compiled module ({compiled[0]}: torch.compile, or the task's "
-                "own compile option): dp rebuilds its replicas every step; use ddp or one "
-                "device"
+                "own compile option): dp rebuilds its replicas every step; use ddp, or dp on one device"
             )
         self.model.to(self.root_device)
 
