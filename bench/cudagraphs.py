@@ -223,7 +223,15 @@ class KernelProfile:
         def device_us(event) -> float:
             return getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0) or 0
 
-        on_device = [e for e in events if device_us(e) > 0 and "cuda" in str(getattr(e, "device_type", "")).lower()]
+        # what ran on the device, less the ranges named in Python ("Optimizer.step#SGD.step", whose device time spans
+        # Lightning's whole closure: forward and backward)
+        on_device = [
+            e
+            for e in events
+            if device_us(e) > 0
+            and "cuda" in str(getattr(e, "device_type", "")).lower()
+            and not (getattr(e, "is_user_annotation", False) or "#" in e.key)
+        ]
         kernels = [e for e in on_device if not e.key.startswith("Memcpy") and not e.key.startswith("Memset")]
         sites = Counter(
             f"{Path(w.filename).name}:{w.lineno}" for w in self._caught if "synchronizing" in str(w.message).lower()

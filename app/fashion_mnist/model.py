@@ -138,7 +138,7 @@ class ImageClassifier(LightningModule):
         """Layout and compilation, applied once the model is on its device and before the strategy wraps it."""
         if self.hparams.get("channels_last"):
             self.net.to(memory_format=torch.channels_last)
-        if self.hparams.get("compile") and not getattr(self, "_compiled", False):  # not under dp: dp.py refuses
+        if self.hparams.get("compile") and not getattr(self, "_compiled", False):  # dp on 2+ devices refuses it (dp.py)
             # Shapes fixed (dynamic=False): an epoch's last, smaller batch gets a graph of its own. Dynamo's
             # default would compile that second batch size as a symbolic one and then run every later step
             # through the symbolic graph (slower kernels, no CUDA graphs).
