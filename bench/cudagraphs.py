@@ -19,6 +19,8 @@ probe says why, in one command. Each variant runs in a fresh process on the same
 - ``+profile`` after a ``cli.py`` variant: the timed epoch under ``cProfile`` (:class:`StepProfile`); where the host's
   time goes, written beside the logs as ``<variant>.profile.txt`` (the step times of that variant include the
   profiler's own cost).
+- ``+fused`` after any of them: SGD's fused implementation (``fused=True``: one kernel for the whole update instead
+  of a few ``foreach`` launches per step), in the plain loop and through ``--model.optimizer.init_args.fused=true``;
 - ``+kernels`` after any of them: steps 10 to 40 of the timed epoch under ``torch.profiler`` with CUDA's
   synchronisation checks on (:class:`KernelProfile`): kernels and kernel time per step, the host's waits for the
   device (``cudaStreamSynchronize`` and the like) and the lines that caused them
@@ -280,6 +282,7 @@ class StepKernels(Callback):
 def command(variant: str, args, data_dir: Path) -> list[str]:
     variant, *flags = variant.split("+")
     mark, profile, on_device, kernels = "mark" in flags, "profile" in flags, "device" in flags, "kernels" in flags
+    fused = "fused" in flags
     base, _, strategy = variant.partition("@")
     if base == "plain":
         cmd = [
@@ -290,6 +293,7 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
             "--compile" if args.compile else "--no-compile", f"--compile-mode={args.compile_mode}",
         ]  # fmt: skip
         cmd += ["--kernels"] if kernels else []
+        cmd += ["--fused-optimizer"] if fused else []
         return cmd + (["--mark-steps"] if mark else []) + (["--data-on-device"] if on_device else [])
     accelerator = "gpu" if args.device.startswith("cuda") else "cpu"
     cmd = [
@@ -316,6 +320,7 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
     cmd += ["--trainer.callbacks+=bench.cudagraphs.StepMarks"] if mark else []
     cmd += ["--data.on_device=true"] if on_device else []
     cmd += ["--trainer.callbacks+=bench.cudagraphs.StepKernels"] if kernels else []
+    cmd += ["--model.optimizer.init_args.fused=true"] if fused else []
     return cmd + (["--trainer.callbacks+=bench.cudagraphs.StepProfile"] if profile else [])
 
 

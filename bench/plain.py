@@ -37,7 +37,7 @@ def train(args: argparse.Namespace, device: torch.device, images: torch.Tensor, 
         net = net.to(memory_format=torch.channels_last)
     if args.compile:
         net.compile(mode=args.compile_mode)
-    optimizer = torch.optim.SGD(net.parameters(), **DEFAULT_SGD)
+    optimizer = torch.optim.SGD(net.parameters(), **DEFAULT_SGD, **({"fused": True} if args.fused_optimizer else {}))
     criterion = nn.CrossEntropyLoss()
     autocast = args.precision == "bf16-mixed"
     b = args.batch_size
@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--mark-steps", action="store_true", help="cudagraph_mark_step_begin() before every step")
     parser.add_argument("--data-on-device", action="store_true", help="the training set on the device (no pinning)")
+    parser.add_argument("--fused-optimizer", action="store_true", help="SGD(fused=True): one kernel per update")
     parser.add_argument("--step-times", default=os.environ.get(STEP_TIMES), help="write per-step times (JSON) here")
     parser.add_argument(
         "--kernels", nargs="?", const=os.environ.get(KERNELS, "kernels.json"), help="profile steps 10-40 (JSON) here"

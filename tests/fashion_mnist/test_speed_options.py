@@ -541,3 +541,18 @@ def test_the_kernel_profile_counts_its_steps_and_writes_its_tables(tmp_path):
     summary = json.loads((tmp_path / "k.json").read_text())
     assert summary["steps"] == 3 and summary["kernels per step"] == 0 and summary["waits per step"] == {}
     assert "host calls by own time" in (tmp_path / "k.txt").read_text()
+
+
+def test_the_probe_gives_the_fused_optimizer_to_the_plain_loop_and_to_cli_py_alike(tmp_path):
+    """``+fused``: the same optimizer change on both sides of the comparison (SGD's ``fused=True``)."""
+    import argparse
+
+    from bench.cudagraphs import command
+
+    args = argparse.Namespace(
+        arch="resnet_tiny", batch_size=8, steps=3, precision="32", source="synthetic", device="cpu",
+        channels_last=False, compile=False, compile_mode="default", baseline=None,
+    )  # fmt: skip
+    assert "--fused-optimizer" in command("plain+device+fused", args, tmp_path)
+    assert "--model.optimizer.init_args.fused=true" in command("cli@ddp+fused", args, tmp_path)
+    assert not any(part.endswith(("fused=true", "--fused-optimizer")) for part in command("cli+device", args, tmp_path))
