@@ -248,6 +248,7 @@ def test_dp_refuses_a_compiled_module_of_any_task_before_a_step(wrapper, tmp_pat
     assert trainer.global_step == 0
 
 
+@pytest.mark.slow  # inductor runs the C compiler for the CPU kernels it has not cached yet
 def test_dp_on_one_device_runs_a_compiled_module_as_a_single_device_does(tmp_path):
     """One device: nothing is replicated or split (nn.DataParallel's rule), so nothing stops a compiled network."""
     model = CompiledInConfigureModel(wrapper=False)
