@@ -53,12 +53,14 @@ for step in "$@"; do
         nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
         $PY -c 'import torch, lightning, torchmetrics, jsonargparse; print("torch", torch.__version__, "lightning", lightning.__version__, "torchmetrics", torchmetrics.__version__, "jsonargparse", jsonargparse.__version__)'
         ;;
-    probe)  # VARIANTS: see bench/cudagraphs.py (+profile: where the host's time goes)
-        variants=${VARIANTS:-plain,plain+device,cli,cli+device,cli@ddp+device}
+    probe)  # VARIANTS: see bench/cudagraphs.py (+profile: where the host's time goes; +fused: SGD's fused update)
+        # The default: Lightning's own host cost (lightning+device, never measured with batches on the GPU) apart from
+        # the template's, three repeats: about 60 s a run cold and 33 s with inductor's cache warm (H200, 2026-11-28)
+        variants=${VARIANTS:-plain+device,lightning+device,cli+device}
         [ -d .gpu/baseline ] && variants=$variants,baseline  # a checkout of the commit to compare with
-        section probe "${PROBE_LIMIT:-190}" $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
+        section probe "${PROBE_LIMIT:-420}" $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
             --channels-last --compile-mode reduce-overhead --steps 60 --variants $variants --baseline "$PWD/.gpu/baseline" \
-            --repeats "${REPEATS:-1}"
+            --repeats "${REPEATS:-3}"
         ;;
     eager)  # the probe without compiling: cli.py fit under auto, dp and ddp on one GPU against the plain loop
         section eager "${EAGER_LIMIT:-150}" $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
