@@ -190,6 +190,39 @@ def test_the_shipped_sbatch_script_trains_ddp_across_both_nodes_to_one_devices_w
     print(f"sbatch scripts/slurm_multinode.sbatch, ddp on 2 nodes x {TASKS}: {time.monotonic() - started:.1f} s")
 
 
+def test_the_shipped_sbatch_script_ends_in_seconds_when_one_nodes_tasks_fail_before_the_group_forms(cluster, tmp_path):
+    """``sbatch scripts/slurm_multinode.sbatch`` where node ``b``'s tasks get a mistyped flag (a node whose command,
+    files or devices differ): they say so and exit 2 before the process group forms. Node ``a``'s rank 0 says in one
+    line which rank failed and why, both of a's tasks end, and the job FAILED in seconds: without it they would wait
+    in ``init_process_group`` for torch's 30-minute timeout. No run folder is left."""
+    script = sbatch_script_on_cpus(tmp_path)
+    launch = "srun python cli.py fit"
+    text = script.read_text()
+    assert text.count(launch) == 1, text
+    mistyped_on_b = 'if [ "$SLURMD_NODENAME" = b ]; then set -- "$@" --trainer.max_epoch=1; fi'
+    on_b = f"""srun bash -c '{mistyped_on_b}; exec python cli.py fit "$@"' task"""
+    script.write_text(text.replace(launch, on_b))
+    root = tmp_path / "runs"
+    started = time.monotonic()
+    job = submit(cluster, script, *EXACT, *SHORT, f"--trainer.default_root_dir={root}")
+    try:
+        info = cluster.wait(job, states=("FAILED",), timeout=JOB_TIMEOUT)
+    except SlurmError as err:
+        cluster.scancel(job)
+        pytest.fail(f"{err}\n--- the job's output:\n{job_output(script, job)[-5000:]}")
+    seconds = time.monotonic() - started
+    output = job_output(script, job)
+    said = "unrecognized arguments: --trainer.max_epoch=1 (did you mean --trainer.max_epochs?)"
+    assert f"error: {said}" in output, output[-3000:]
+    lines = [line for line in output.splitlines() if "failed before the process group formed" in line]
+    assert len(lines) == 1, output[-3000:]  # a's first task says it; b's tasks said their own line
+    assert re.match(r"error: rank [23] on b failed before the process group formed", lines[0]) and said in lines[0]
+    assert "Traceback" not in output, output[-3000:]
+    assert info["ExitCode"] != "0:0"
+    assert not list(root.glob("lightning_logs/version_*")), list(root.rglob("*"))
+    print(f"\nthe job FAILED {seconds:.1f} s after sbatch")
+
+
 def model_parallel_command(strategy: str) -> list[str]:
     """docs/model-parallel.md's ``sbatch scripts/slurm_multinode.sbatch --trainer.strategy=STRATEGY ...`` line: its
     arguments after the script."""

@@ -165,6 +165,31 @@ def test_ddp_under_torchrun_trains_across_two_nodes_with_the_docs_command(nodes,
 
 
 @pytest.mark.slow
+def test_a_node_whose_command_fails_before_the_group_forms_ends_the_other_nodes_run_within_seconds(nodes, tmp_path):
+    """docs/multi-node.md's torchrun commands, node ``b``'s with a mistyped flag: b's worker says so and fails before
+    it reaches the rendezvous of the process group; a's worker, waiting there, says in one line that rank 1 on b
+    failed and why, and ends, and both torchruns exit non-zero within seconds (torch alone waits 30 minutes)."""
+    root = tmp_path / "runs"
+    commands = [on_two_cpu_nodes(words, root) for words in doc_commands("**torchrun**")]
+    commands[1].append("--trainer.max_epoch=1")  # b's command line has it wrong
+    logs, processes = {}, {}
+    started = time.monotonic()
+    for node, words in zip(nodes.nodes, commands, strict=True):
+        logs[node.name] = tmp_path / f"{node.name}.log"
+        processes[node.name] = node.popen(words, log=logs[node.name], env=node_env(), cwd=ROOT)
+    wait_all(processes, logs, timeout=120, grace=60)
+    seconds = time.monotonic() - started
+    output = {name: log.read_text() for name, log in logs.items()}
+    assert processes["a"].returncode != 0 and processes["b"].returncode != 0, output
+    said = "unrecognized arguments: --trainer.max_epoch=1 (did you mean --trainer.max_epochs?)"
+    assert f"error: {said}" in output["b"], output["b"][-3000:]
+    [line] = [line for line in output["a"].splitlines() if "failed before the process group formed" in line]
+    assert line.startswith("error: rank 1 on b failed before the process group formed") and said in line, line
+    assert seconds < 60, seconds
+    print(f"\nboth nodes ended {seconds:.1f} s after the start")
+
+
+@pytest.mark.slow
 def test_the_latency_bench_runs_the_docs_command_over_a_link_that_carries_packets_late():
     """bench.latency (docs/multi-node.md's latency figures): the link of tests/wire.py holds each frame 10 ms each
     way, so a round trip takes at least 20 ms, and the docs' torchrun command trains over it. (What it costs a step is

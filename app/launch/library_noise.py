@@ -14,6 +14,7 @@ import logging
 import sys
 import threading
 import warnings
+from collections import Counter
 from pathlib import Path
 
 from app.launch.launcher import slurm_job
@@ -84,7 +85,7 @@ def install() -> None:
 
 
 _c10_lock = threading.Lock()
-_c10_held = 0  # how many callers are inside store_warnings_off
+_c10_held: Counter[int] = Counter()  # callers inside store_warnings_off, by the threshold each holds
 _c10_level_before = 0
 
 
@@ -102,8 +103,8 @@ def _c10_log_level() -> ctypes.c_int | None:
 
 
 @contextlib.contextmanager
-def store_warnings_off():
-    """Inside: torch's C++ warnings are not printed (c10's log threshold is ERROR).
+def store_warnings_off(errors_too: bool = False):
+    """Inside: torch's C++ warnings are not printed (c10's log threshold is ERROR; FATAL with ``errors_too``).
 
     A call to a ``TCPStore`` whose host process is gone (rank 0 killed, its machine lost) prints a C++ warning of 16
     lines, ``TCPStore.cpp:125] [c10d] recvValue failed ... Connection was likely closed`` and the native frames
@@ -111,24 +112,27 @@ def store_warnings_off():
     second and reads exactly that failure as "rank 0 is lost", which it says in one line of its own. A C++ log line
     cannot be filtered by its text, only by its level, which is global: it is raised only for these calls (well under
     a millisecond each, once a second; a store that hangs holds it until the watchdog's verdict), so a C++ warning
-    another thread prints in those moments is lost too; every error still shows."""
-    global _c10_held, _c10_level_before
+    another thread prints in those moments is lost too; every error still shows, except with ``errors_too``: a try
+    to reach a store that may not be open yet (app/launch/formation.py), whose failure torch logs as an error ("The
+    client socket has timed out ... while trying to connect") and raises, and which is tried again."""
+    global _c10_level_before
     level = _c10_log_level()
     if level is None:
         yield
         return
+    threshold = 3 if errors_too else 2
     with _c10_lock:
-        if _c10_held == 0:
+        if not any(_c10_held.values()):
             _c10_level_before = level.value
-            level.value = max(level.value, 2)
-        _c10_held += 1
+        _c10_held[threshold] += 1
+        level.value = max([_c10_level_before, *(t for t, count in _c10_held.items() if count)])
     try:
         yield
     finally:
         with _c10_lock:
-            _c10_held -= 1
-            if _c10_held == 0:
-                level.value = _c10_level_before
+            _c10_held[threshold] -= 1
+            held = [t for t, count in _c10_held.items() if count]
+            level.value = max([_c10_level_before, *held])
 
 
 class HeldRecords(logging.Filter):

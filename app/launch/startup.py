@@ -23,11 +23,12 @@ def install() -> None:
         if _installed:
             return
         from app.errors import install_warning_format
-        from app.launch import library_noise, process_group
+        from app.launch import formation, library_noise, process_group
 
         library_noise.install()
         install_warning_format()  # the template's warnings read "warning: ...", like its "error: ..." lines
         process_group.install()  # no rank ends in SIGABRT at exit (see the module)
+        formation.announce_uncaught_exceptions()  # a rank that fails before its group forms stops the others
         _installed = True
 
 

@@ -38,6 +38,7 @@ from app.checkpoints.run_folders import (
 )
 from app.errors import TemplateWarning, UserError
 from app.launch import startup
+from app.launch.formation import announce_failure, before_stopping
 from app.launch.host_address import check_reachable
 from app.launch.launcher import (
     first_on_node,
@@ -105,8 +106,7 @@ class CLI(CkptPathRule, LightningCLI):
             super().__init__(*args, **kwargs)
         except BaseException as err:
             if getattr(getattr(self, "trainer", None), "global_step", 0) == 0:
-                release_if_unused(self._claimed)  # a run that failed before doing anything leaves no folder
-                release_made_folders()  # nor the --trainer.default_root_dir it made
+                self._release_unused()
             if self._seed_line is not None:
                 self._seed_line.drop()
             latest = UserError.latest
@@ -234,8 +234,13 @@ class CLI(CkptPathRule, LightningCLI):
             config.trainer.devices = mpi[3]
         if not config.trainer.get("fast_dev_run"):  # (fast_dev_run logs nothing: Lightning swaps the loggers out)
             self._claimed = claim_versions(loggers, continued)  # version_N made now: no other run can take it
+            before_stopping(self._release_unused)  # a peer failed before the group formed: nothing left behind
         if restarting is not None and self.subcommand == "fit":
             self._elastic_run = ElasticRunFolder(restarting, self._claimed, continued, self._elastic_ckpt)
+
+    def _release_unused(self) -> None:
+        release_if_unused(self._claimed)  # a run that failed before doing anything leaves no folder
+        release_made_folders()  # nor the --trainer.default_root_dir it made
 
     @override
     def instantiate_trainer(self, **kwargs):
@@ -339,8 +344,9 @@ def main(
         )
     except UserError as err:
         if first_on_node():
-            print(f"error: {err}", file=sys.stderr)
-        elif torchrun_job() is not None or launcher_ranks() is not None:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        announce_failure(str(err))  # the other nodes' ranks stop too (app/launch/formation.py)
+        if not first_on_node() and (torchrun_job() is not None or launcher_ranks() is not None):
             # torchrun and mpirun end every worker once one fails: the first of the node (which says why) could be
             # ended before it printed its line, when this one, quiet, failed first (seen under load: no line at all).
             # Waiting here lets it fail first; the launcher then ends this one.
@@ -351,7 +357,8 @@ def main(
             raise
         where = f"{err.filename}: " if err.filename else ""
         hint = "free space, or pass a writable --trainer.default_root_dir"
-        print(f"error: {where}{err.strerror}; {hint}", file=sys.stderr)
+        print(f"error: {where}{err.strerror}; {hint}", file=sys.stderr, flush=True)
+        announce_failure(f"{where}{err.strerror}")
         sys.exit(2)
     except Exception as err:
         if (code := stopped_exit_code(err)) is not None:  # ddp_spawn's ranks stopped on a SIGTERM and saved

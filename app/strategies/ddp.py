@@ -29,12 +29,15 @@ fail with it. Lightning's own class stays available
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
+
+from app.launch.formation import FormationWatch, formed
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -62,7 +65,8 @@ class DDPStrategy(LightningDDPStrategy):
         from app.launch.startup import install
 
         install()
-        super().setup_environment()
+        with formation_watched(self):
+            super().setup_environment()
 
     @override
     def configure_ddp(self) -> None:
@@ -74,3 +78,20 @@ class DDPStrategy(LightningDDPStrategy):
     def _setup_model(self, model: Module) -> DistributedDataParallel:
         """DDP on the current stream (Lightning's wraps it on a side stream on GPUs)."""
         return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
+
+
+@contextmanager
+def formation_watched(strategy: LightningDDPStrategy):
+    """While ``strategy`` forms its process group: a rank that failed before it arrived stops this one in seconds
+    (app/launch/formation.py), instead of torch's 30-minute wait."""
+    watch = None
+    if strategy.num_nodes * len(strategy.parallel_devices or []) > 1:
+        environment = strategy.cluster_environment
+        watch = FormationWatch(environment.main_address, environment.main_port, say=environment.local_rank() == 0)
+        watch.start()
+    try:
+        yield
+        formed()
+    finally:
+        if watch is not None:
+            watch.stop()

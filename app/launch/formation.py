@@ -1,0 +1,280 @@
+"""A rank that fails before the process group forms stops the others in seconds, not after torch's 30 minutes.
+
+The group forms in ``init_process_group``: a ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` (hosted by rank 0, or by
+torchrun's agent) where every rank arrives and waits for all the others. A rank that fails before it arrives (a flag
+its node's command line has wrong, a file missing on its node, a GPU that does not start) never comes, and the
+others wait for torch's timeout, 30 minutes by default, without a word, holding their devices. Lightning's ddp
+launcher and torchrun's agent end the other ranks of the failed rank's node, but nothing tells the other nodes
+(seen here with two torchrun nodes and with ranks started by hand; mpirun, the horovod strategy's launcher, ends
+every rank itself). So:
+
+- a rank that exits with an error before the group formed leaves a mark in that store: who it was and the line that
+  says why (:func:`announce_failure`, called by ``cli.py``'s ``main`` and by an uncaught exception). Rank 0, whose
+  store does not exist yet, hosts one itself for up to :data:`HOLD` seconds, until every other rank has read it;
+  another rank waits up to :data:`POST_WAIT` seconds for rank 0's store to open;
+- every rank, while its group forms (:class:`FormationWatch`, started by the template's ``DDPStrategy``, which the
+  fsdp and pipeline strategies extend), reads the store every second. On a mark it says in one line which rank
+  failed and why, and exits with code 1: the main thread is blocked inside ``init_process_group``, where nothing
+  can be raised into it.
+
+torchrun's agent keeps its store across restarts: under torchrun a worker leaves no mark while its agent will still
+restart it (the restart re-forms the group with every node), and a mark older than this process is one of an
+earlier round's, not read. Once the group has formed, :class:`~app.callbacks.RankWatchdog` takes over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from app.launch.launcher import is_first_process, launcher_ranks, slurm_job, torchrun_job
+
+MARK = "template/formation/failed"  # the first failure's JSON: rank, host, why, time
+ANSWERED = "template/formation/answered"  # ranks that read the mark or left their own: rank 0's host stops at all
+POLL = 1.0  # seconds between a watching rank's reads of the store
+POST_WAIT = 15.0  # seconds a failed rank waits for rank 0's store to open (rank 0 may still be importing)
+HOLD = 15.0  # seconds at most that a failed rank 0 keeps its store open for the others to read the mark
+NOTICE_AFTER = 3.0  # seconds of that wait after which the failed rank says what it waits for
+EXIT_CODE = 1
+STALE_SLACK = 2.0  # seconds of clock difference between nodes that a mark of this round may show
+
+_formed = False  # this process's group has formed: a failure after it is the RankWatchdog's
+_announced = False  # this process has left its mark (cli.py's main, then the exception hook: once)
+WHY_LENGTH = 300  # characters of the failed rank's line that the others repeat
+_before_stopping: list[Callable[[], None]] = []  # run before a peer's failure ends this process
+
+
+def before_stopping(cleanup: Callable[[], None]) -> None:
+    """Have ``cleanup()`` run before a peer's failure ends this process (which raises nothing: it ends from the watch's
+    thread), as it would run on an error: the run folder ``cli.py`` claimed, still empty, is released."""
+    _before_stopping.append(cleanup)
+
+
+def formed() -> None:
+    """Called once this process's group has formed: a later failure leaves no mark."""
+    global _formed
+    _formed = True
+
+
+def store_address() -> tuple[str, int] | None:
+    """Where the process group forms, read before any strategy exists: ``(MASTER_ADDR, MASTER_PORT)`` of a run of
+    several processes that no MPI launcher started, or None (one process, or mpirun, which ends every rank itself)."""
+    if launcher_ranks() is not None:
+        return None
+    env = os.environ
+    job = slurm_job()
+    if torchrun_job() is None and job is not None and job.in_step and job.tasks > 1:
+        from lightning.fabric.plugins.environments import SLURMEnvironment
+
+        try:  # the first node of the job, the port from the job id, or MASTER_ADDR / MASTER_PORT where set
+            slurm = SLURMEnvironment()
+            return slurm.main_address, slurm.main_port
+        except (KeyError, ValueError, IndexError):
+            return None
+    several = torchrun_job() is not None or int(env.get("WORLD_SIZE") or 1) > 1
+    several = several or any(env.get(var) for var in ("NODE_RANK", "LOCAL_RANK", "RANK"))
+    if not several or not env.get("MASTER_ADDR") or not env.get("MASTER_PORT", "").isdigit():
+        return None
+    return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+
+
+def this_rank() -> str:
+    """This process as the others' line names it, before any strategy has set ranks up."""
+    env = os.environ
+    for var in ("RANK", "SLURM_PROCID"):
+        if env.get(var, "").isdigit():
+            return f"rank {env[var]}"
+    node, local = env.get("NODE_RANK") or env.get("GROUP_RANK") or "0", env.get("LOCAL_RANK") or "0"
+    return "rank 0" if node == local == "0" else f"node {node}'s local rank {local}"
+
+
+def expected_ranks() -> int | None:
+    """The processes of the run, where the launcher says it before the strategy exists."""
+    env = os.environ
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if env.get(var, "").isdigit():
+            return int(env[var])
+    return None
+
+
+def process_start_time() -> float:
+    """When this process started, in seconds since the epoch (``/proc``); now where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as stat:
+            ticks = int(stat.read().rpartition(")")[2].split()[19])
+        with open("/proc/stat") as boot:
+            booted = next(int(line.split()[1]) for line in boot if line.startswith("btime "))
+        return booted + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def client(address: str, port: int, timeout: float):
+    """A client of the store at ``address:port``, or None when none answers within ``timeout`` seconds."""
+    import torch.distributed as dist
+
+    from app.launch.library_noise import store_warnings_off
+
+    try:
+        with store_warnings_off(errors_too=True):  # "timed out while trying to connect": rank 0 is not up yet
+            return dist.TCPStore(
+                address, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+            )
+    except (RuntimeError, ValueError, OSError):
+        return None
+
+
+def announce_failure(why: str) -> None:
+    """Leave the mark of this rank's failure where its group forms, so that the other ranks stop instead of waiting
+    for it; nothing where there is no group to form, where it formed already, or where a launcher will restart this
+    rank. Never raises: the rank is failing already, and says why itself."""
+    global _announced
+    if _announced:
+        return
+    _announced = True
+    try:
+        import torch.distributed as dist
+
+        if _formed or (dist.is_available() and dist.is_initialized()):
+            return
+        address = store_address()
+        job = torchrun_job()
+        if address is None or (job is not None and job.restarts_left):
+            return
+        mark = {"rank": this_rank(), "host": socket.gethostname(), "why": why[:WHY_LENGTH], "time": time.time()}
+        # rank 0 hosts the store (torchrun's agent hosts its own); where its port is taken, someone hosts one already
+        if not (is_first_process() and job is None and _host_mark(*address, json.dumps(mark))):
+            _post_mark(*address, json.dumps(mark))
+    except (Exception, KeyboardInterrupt):  # noqa: BLE001 (a courtesy to the others: this rank's own error is what matters)
+        return
+
+
+def _post_mark(address: str, port: int, mark: str) -> None:
+    wait = _Wait(POST_WAIT, f"for the store at {address}:{port} (rank 0's) to open")
+    while wait.on():
+        store = client(address, port, timeout=min(2.0, wait.left()))
+        if store is not None:
+            store.compare_set(MARK, "", mark)  # the first failure's mark stays: it is the cause
+            store.add(ANSWERED, 1)
+            return
+
+
+def _host_mark(address: str, port: int, mark: str) -> bool:
+    """Rank 0, failed before it opened the store: open it with the mark in it and keep it open until every other rank
+    has read it (or left its own mark), at most :data:`HOLD` seconds. False when the port is taken."""
+    import torch.distributed as dist
+
+    from app.launch.library_noise import store_warnings_off
+
+    try:
+        with store_warnings_off():
+            store = dist.TCPStore(address, port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    except (RuntimeError, ValueError, OSError):
+        return False
+    store.set(MARK, mark)
+    others = (expected_ranks() or 0) - 1
+    wait = _Wait(HOLD, "for the other ranks to read it")
+    while wait.on() and (others <= 0 or store.add(ANSWERED, 0) < others):
+        time.sleep(0.2)
+    return True
+
+
+class _Wait:
+    """A failed rank's bounded wait to tell the others; after :data:`NOTICE_AFTER` seconds it says, once, what it waits
+    for (a rank started alone would otherwise seem to hang after its error). Ctrl-C ends it."""
+
+    def __init__(self, seconds: float, what: str) -> None:
+        self.start, self.seconds, self.what, self.said = time.monotonic(), seconds, what, False
+
+    def left(self) -> float:
+        return max(self.start + self.seconds - time.monotonic(), 0.1)
+
+    def on(self) -> bool:
+        elapsed = time.monotonic() - self.start
+        if elapsed >= NOTICE_AFTER and not self.said:
+            self.said = True
+            print(
+                f"(telling the other ranks of this failure, so that they do not wait for this one: waiting up to "
+                f"{self.seconds - elapsed:.0f} s more {self.what}; Ctrl-C skips it)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return elapsed < self.seconds
+
+
+def peer_failed_line(mark: dict) -> str:
+    where = f" on {mark['host']}" if mark.get("host") else ""
+    return (
+        f"error: {mark.get('rank', 'a rank')}{where} failed before the process group formed "
+        f"({mark.get('why') or 'see its output'}); this rank stops too, instead of waiting for it "
+        "(torch's timeout is 30 minutes)"
+    )
+
+
+def _stop_process(mark: dict, say: bool) -> None:
+    if say:
+        print(peer_failed_line(mark), file=sys.stderr, flush=True)
+    for cleanup in _before_stopping:
+        with contextlib.suppress(Exception):  # the line is said: the rest is tidying up
+            cleanup()
+    sys.stdout.flush()
+    os._exit(EXIT_CODE)
+
+
+class FormationWatch(threading.Thread):
+    """Reads the store at ``address:port`` every :data:`POLL` seconds while the group forms; on a failed rank's mark
+    calls ``on_failure(mark)`` (default: say it, when ``say``, and end the process). :meth:`stop` once formed."""
+
+    def __init__(self, address: str, port: int, say: bool = True, on_failure: Callable | None = None) -> None:
+        super().__init__(name="formation-watch", daemon=True)
+        self.address, self.port = address, port
+        self.on_failure = on_failure or (lambda mark: _stop_process(mark, say))
+        # torchrun's agent keeps its store across restarts: an earlier round's mark is older than this process
+        self.since = process_start_time() - STALE_SLACK if torchrun_job() is not None else float("-inf")
+        self._halt = threading.Event()
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def run(self) -> None:
+        from app.launch.library_noise import store_warnings_off
+
+        store = None
+        while not self._halt.is_set():
+            if store is None:
+                store = client(self.address, self.port, timeout=POLL)
+                if store is None:
+                    self._halt.wait(POLL / 2)
+                continue
+            try:
+                with store_warnings_off():  # a store that closed (a failed rank 0's, when its hold ends)
+                    mark = json.loads(store.get(MARK)) if store.check([MARK]) else None
+                    if mark is not None and mark.get("time", 0) >= self.since:
+                        store.add(ANSWERED, 1)
+            except (RuntimeError, ValueError, OSError):
+                store = None
+                continue
+            if mark is not None and mark.get("time", 0) >= self.since and not self._halt.is_set():
+                self.on_failure(mark)
+                return
+            self._halt.wait(POLL)
+
+
+def announce_uncaught_exceptions() -> None:
+    """An exception that ends the program (a script of the Python API, or ``cli.py`` past its own errors) leaves its
+    mark too, after Python's hook has printed it as usual."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        previous(kind, value, traceback)  # the traceback first: rank 0 may then keep its store open for a while
+        first_line = next(iter(str(value).splitlines()), "")
+        announce_failure(f"{kind.__name__}: {first_line}" if first_line else kind.__name__)
+
+    sys.excepthook = hook

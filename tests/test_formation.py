@@ -1,0 +1,238 @@
+"""A rank that fails before the process group forms (app/launch/formation.py): the others stop in seconds with one
+line that names it and says why, instead of waiting for torch's 30-minute timeout.
+
+The first tests use a real ``TCPStore`` in this process and the module's own functions; the slow ones start
+``cli.py fit`` twice, as two nodes started by hand (``MASTER_ADDR``, ``NODE_RANK``, ``WORLD_SIZE``, as Lightning's
+docs say), from a folder that is not the repository, one of them with a flag its node has wrong. torchrun's two nodes
+are tests/test_two_nodes.py's, and the shipped SLURM script's tests/test_slurm_docs.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+from app.launch import formation
+from tests.conftest import ROOT
+
+LAUNCH_VARS = (
+    "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_JOB_ID",
+    "SLURM_PROCID", "TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMIX_SIZE",
+)  # fmt: skip
+
+
+@pytest.fixture
+def launch(monkeypatch):
+    """``launch(**vars)``: this process as a rank that a launcher started with those variables (and no others of a
+    launcher's), on a free port; a fresh process as far as the module knows (no mark left, no group formed)."""
+    for var in LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(formation, "_announced", False)
+    monkeypatch.setattr(formation, "_formed", False)
+    monkeypatch.setattr(formation, "POST_WAIT", 5.0)
+    monkeypatch.setattr(formation, "HOLD", 5.0)
+    monkeypatch.setattr(formation, "POLL", 0.2)  # the watch reads the store every 0.2 s, not every second
+
+    def set_vars(**more: str) -> int:
+        port = find_free_network_port()
+        for var, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **more}.items():
+            monkeypatch.setenv(var, value)
+        return port
+
+    return set_vars
+
+
+def host_store(port: int):
+    return dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+
+
+def watch(port: int) -> tuple[formation.FormationWatch, list[dict]]:
+    seen: list[dict] = []
+    watcher = formation.FormationWatch("127.0.0.1", port, on_failure=seen.append)
+    watcher.start()
+    return watcher, seen
+
+
+def wait_for(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.05)
+    return condition()
+
+
+def test_a_rank_that_fails_before_the_group_forms_stops_a_waiting_rank_naming_it_and_why(launch):
+    """Rank 1 fails (its line: an unknown flag) while rank 0, the store's host, waits for the group: rank 0's watch
+    reads the mark within a second or two, and its line names rank 1, its host and the failed rank's own reason."""
+    port = launch(WORLD_SIZE="2", RANK="1")
+    store = host_store(port)  # rank 0, inside init_process_group
+    watcher, seen = watch(port)
+    try:
+        started = time.monotonic()
+        formation.announce_failure("unrecognized arguments: --model.lr=-1")
+        assert wait_for(lambda: seen, timeout=5), "the waiting rank did not read the mark"
+        print(f"\nread {time.monotonic() - started:.2f} s after the failure")
+    finally:
+        watcher.stop()
+    [mark] = seen
+    assert (mark["rank"], mark["why"]) == ("rank 1", "unrecognized arguments: --model.lr=-1")
+    line = formation.peer_failed_line(mark)
+    assert line.startswith(f"error: rank 1 on {mark['host']} failed before the process group formed (unrecognized")
+    assert "instead of waiting for it" in line and "\n" not in line
+    assert store.add(formation.ANSWERED, 0) == 2  # the failed rank, and the one that read its mark
+
+
+def test_a_failed_rank_0_opens_the_store_itself_until_the_others_have_read_its_mark(launch):
+    """Rank 0 fails before it opened the store: it opens one with its mark in it; rank 1's watch (which found no
+    store at first) reads it, and rank 0 goes on to exit as soon as rank 1 has, well before its hold ends."""
+    port = launch(WORLD_SIZE="2", RANK="0")
+    watcher, seen = watch(port)  # rank 1: nobody listens on the port yet
+    try:
+        time.sleep(0.5)
+        assert not seen
+        started = time.monotonic()
+        formation.announce_failure("no such file: data/FashionMNIST")  # returns once rank 1 has read the mark
+        held = time.monotonic() - started
+        assert wait_for(lambda: seen, timeout=1)
+    finally:
+        watcher.stop()
+    assert seen[0]["rank"] == "rank 0" and seen[0]["why"] == "no such file: data/FashionMNIST"
+    assert held < formation.HOLD - 1, held
+    print(f"\nrank 0 kept its store open {held:.2f} s")
+
+
+def test_the_first_failure_is_the_one_the_others_are_told(launch):
+    """Two ranks fail one after the other (the second, say, because the first did): the mark keeps the first."""
+    port = launch(WORLD_SIZE="3", RANK="2")
+    store = host_store(port)
+    formation.announce_failure("CUDA error: no CUDA-capable device is detected")
+    formation._announced = False
+    os.environ["RANK"] = "1"
+    formation.announce_failure("something that followed")
+    mark = json.loads(store.get(formation.MARK))
+    assert (mark["rank"], mark["why"]) == ("rank 2", "CUDA error: no CUDA-capable device is detected")
+    assert store.add(formation.ANSWERED, 0) == 2
+
+
+def test_under_torchrun_a_mark_of_an_earlier_round_is_not_read_and_a_worker_with_restarts_leaves_none(launch):
+    """torchrun's agent keeps its store across restarts: a mark older than this process is an earlier round's, and
+    the restarted workers go on; a worker whose agent will restart it leaves no mark (the restart re-forms the group
+    with every node), the last start's worker does."""
+    torchrun = {"TORCHELASTIC_RUN_ID": "job", "LOCAL_WORLD_SIZE": "1", "WORLD_SIZE": "2", "RANK": "1"}
+    port = launch(**torchrun, TORCHELASTIC_MAX_RESTARTS="1", TORCHELASTIC_RESTART_COUNT="0")
+    store = host_store(port)  # torchrun's agent
+    old = {"rank": "rank 1", "host": "b", "why": "an earlier round's", "time": formation.process_start_time() - 60}
+    store.set(formation.MARK, json.dumps(old))
+    watcher, seen = watch(port)
+    try:
+        time.sleep(1)  # several reads of the store
+        assert not seen, "an earlier round's mark was read"
+        store.delete_key(formation.MARK)
+        formation.announce_failure("bad flag")  # restarts left: no mark
+        assert not store.check([formation.MARK])
+        formation._announced = False
+        os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"  # the last start
+        formation.announce_failure("bad flag")
+        assert wait_for(lambda: seen, timeout=5)
+    finally:
+        watcher.stop()
+    assert seen[0]["why"] == "bad flag"
+
+
+def test_one_process_mpirun_and_a_formed_group_leave_no_mark(launch, monkeypatch):
+    """Nothing is posted where no group forms (one process: MASTER_ADDR alone says nothing), under mpirun (which ends
+    every rank itself), or once the group has formed (the RankWatchdog's part); announcing never raises."""
+    port = launch()  # MASTER_ADDR and MASTER_PORT exported, one process
+    assert formation.store_address() is None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert formation.store_address() == ("127.0.0.1", port)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
+    assert formation.store_address() is None
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK")
+    monkeypatch.setenv("RANK", "1")
+    store = host_store(port)
+    formation.formed()
+    formation.announce_failure("after the group formed")
+    assert not store.check([formation.MARK])
+    monkeypatch.setattr(formation, "_formed", False)
+    monkeypatch.setattr(formation, "_announced", False)
+    monkeypatch.setenv("MASTER_PORT", "not a port")
+    formation.announce_failure("no store to tell")  # nothing to reach, nothing raised
+
+
+def test_watching_stops_once_the_group_has_formed(launch):
+    """The watch of a rank whose group formed ends, and a mark left after it is not read."""
+    port = launch(WORLD_SIZE="2", RANK="1")
+    store = host_store(port)
+    watcher, seen = watch(port)
+    time.sleep(0.5)
+    watcher.stop()
+    watcher.join(timeout=5)
+    assert not watcher.is_alive()
+    store.set(formation.MARK, json.dumps({"rank": "rank 1", "why": "late", "time": time.time()}))
+    time.sleep(0.5)
+    assert not seen
+
+
+# ------------------------------------------------------------------------------------------------ real processes
+def node_command(tmp_path, node: int, *more: str) -> list[str]:
+    return [
+        sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "tests" / "tiny.yaml"),
+        "--trainer.strategy=ddp", "--trainer.num_nodes=2", "--trainer.devices=1",
+        f"--trainer.default_root_dir={tmp_path / 'runs'}", *more,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing", [1, 0], ids=["node 1 fails", "node 0 fails"])
+def test_two_nodes_started_by_hand_where_one_has_a_bad_flag_both_end_within_seconds(failing, tmp_path):
+    """Two ``cli.py fit`` processes as two nodes of one ddp run (``MASTER_ADDR``, ``NODE_RANK``, ``WORLD_SIZE``),
+    run from a folder outside the repository; one has a mistyped flag. It says so and exits 2; the other, waiting in
+    ``init_process_group``, says in one line which rank failed and why, and exits 1, seconds later (torch would wait
+    30 minutes). Nothing is written."""
+    port = find_free_network_port()
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = {**base, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    processes, logs = {}, {}
+    started = time.monotonic()
+    for node in (0, 1):
+        bad = ["--trainer.max_epoch=1"] if node == failing else []
+        logs[node] = tmp_path / f"node{node}.log"
+        with open(logs[node], "w") as log:
+            processes[node] = subprocess.Popen(
+                node_command(tmp_path, node, *bad), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                env={**env, "NODE_RANK": str(node), "LOCAL_RANK": "0"},
+            )  # fmt: skip
+    ended = {}
+    try:
+        for node, process in processes.items():
+            process.wait(timeout=120)
+            ended[node] = time.monotonic() - started
+    finally:
+        for process in processes.values():
+            process.kill()
+    output = {node: log.read_text() for node, log in logs.items()}
+    waiting = 1 - failing
+    assert processes[failing].returncode == 2, output[failing][-3000:]
+    assert processes[waiting].returncode == 1, output[waiting][-3000:]
+    said = "unrecognized arguments: --trainer.max_epoch=1 (did you mean --trainer.max_epochs?)"
+    assert f"error: {said}" in output[failing]
+    who = "rank 0" if failing == 0 else "node 1's local rank 0"
+    lines = [line for line in output[waiting].splitlines() if "failed before the process group formed" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {who} on "), output[waiting][-3000:]
+    assert said in lines[0]
+    assert "Traceback" not in output[waiting]
+    assert ended[waiting] < 60, ended
+    left = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*"))
+    assert not left, left
+    print(f"\nthe waiting node ended {ended[waiting]:.1f} s after the start, the failed one {ended[failing]:.1f} s")
