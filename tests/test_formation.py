@@ -236,3 +236,26 @@ def test_two_nodes_started_by_hand_where_one_has_a_bad_flag_both_end_within_seco
     left = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*"))
     assert not left, left
     print(f"\nthe waiting node ended {ended[waiting]:.1f} s after the start, the failed one {ended[failing]:.1f} s")
+
+
+def test_the_c10_log_threshold_is_raised_for_the_store_tries_and_put_back_however_they_overlap():
+    """A try to reach a store that is not open yet logs a C++ error that the watch expects: its threshold (FATAL)
+    holds while any such try runs, a warning-only caller's (ERROR) while only those run, and the user's own comes back
+    once all are out, whatever order they leave in (the watch and the rank watchdog run in threads of their own)."""
+    import contextlib
+
+    from app.launch.library_noise import _c10_log_level, store_warnings_off
+
+    level = _c10_log_level()
+    if level is None:
+        pytest.skip("c10's log threshold is not found in this torch build")
+    before = level.value
+    with contextlib.ExitStack() as outer:
+        outer.enter_context(store_warnings_off())
+        assert level.value == max(before, 2)
+        errors = contextlib.ExitStack()
+        errors.enter_context(store_warnings_off(errors_too=True))
+        assert level.value == max(before, 3)
+    assert level.value == max(before, 3)  # the warning-only caller left first: the error-hiding one still runs
+    errors.close()
+    assert level.value == before
