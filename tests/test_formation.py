@@ -109,6 +109,28 @@ def test_a_failed_rank_0_opens_the_store_itself_until_the_others_have_read_its_m
     print(f"\nrank 0 kept its store open {held:.2f} s")
 
 
+def test_the_stores_host_stops_only_once_every_rank_has_read_the_mark(launch):
+    """Rank 0's store ends with its process: rank 0 reads the mark first (a failed rank posted it as soon as the store
+    opened) but waits until the other waiting rank has read it too, or it would wait for good (seen in a SLURM job
+    under load: rank 0 ended, rank 1 hung)."""
+    port = launch(WORLD_SIZE="3", RANK="2")
+    store = host_store(port)
+    stopped: list[float] = []
+    host = formation.FormationWatch("127.0.0.1", port, world_size=3, hosts_store=True, on_failure=stopped.append)
+    host.start()
+    formation.announce_failure("bad flag")  # rank 2: 1 of 3
+    try:
+        assert wait_for(lambda: store.add(formation.ANSWERED, 0) == 2, timeout=5)  # rank 0 has read it: 2 of 3
+        time.sleep(0.5)
+        assert not stopped, "the store's host stopped before rank 1 had read the mark"
+        rank_1, seen = watch(port)
+        assert wait_for(lambda: seen and stopped, timeout=5)
+        rank_1.stop()
+    finally:
+        host.stop()
+    assert store.add(formation.ANSWERED, 0) == 3
+
+
 def test_the_first_failure_is_the_one_the_others_are_told(launch):
     """Two ranks fail one after the other (the second, say, because the first did): the mark keeps the first."""
     port = launch(WORLD_SIZE="3", RANK="2")

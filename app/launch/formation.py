@@ -149,8 +149,8 @@ def announce_failure(why: str) -> None:
         if address is None or (job is not None and job.restarts_left):
             return
         mark = {"rank": this_rank(), "host": socket.gethostname(), "why": why[:WHY_LENGTH], "time": time.time()}
-        # rank 0 hosts the store (torchrun's agent hosts its own); where its port is taken, someone hosts one already
-        if not (is_first_process() and job is None and _host_mark(*address, json.dumps(mark))):
+        # rank 0 hosts the store (torchrun's agent may host its own); where its port is taken, one is open already
+        if not (is_first_process() and rank_zero_hosts_store() and _host_mark(*address, json.dumps(mark))):
             _post_mark(*address, json.dumps(mark))
     except (Exception, KeyboardInterrupt):  # noqa: BLE001 (a courtesy to the others: this rank's own error is what matters)
         return
@@ -164,6 +164,11 @@ def _post_mark(address: str, port: int, mark: str) -> None:
             store.compare_set(MARK, "", mark)  # the first failure's mark stays: it is the cause
             store.add(ANSWERED, 1)
             return
+
+
+def rank_zero_hosts_store() -> bool:
+    """Rank 0's process hosts the store the group forms at: everywhere but under torchrun's shared agent store."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
 
 def _host_mark(address: str, port: int, mark: str) -> bool:
@@ -230,11 +235,24 @@ def _stop_process(mark: dict, say: bool) -> None:
 
 class FormationWatch(threading.Thread):
     """Reads the store at ``address:port`` every :data:`POLL` seconds while the group forms; on a failed rank's mark
-    calls ``on_failure(mark)`` (default: say it, when ``say``, and end the process). :meth:`stop` once formed."""
+    calls ``on_failure(mark)`` (default: say it, when ``say``, and end the process). :meth:`stop` once formed.
 
-    def __init__(self, address: str, port: int, say: bool = True, on_failure: Callable | None = None) -> None:
+    ``world_size``: the ranks of the run; ``hosts_store``: this process hosts the store (rank 0, not under torchrun's
+    agent store). The host's process keeps the store, which ends with it, open until every rank has read the mark or
+    left its own (at most :data:`HOLD` seconds): a rank that had not read it yet would otherwise wait for good."""
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        world_size: int = 0,
+        hosts_store: bool = False,
+        say: bool = True,
+        on_failure: Callable | None = None,
+    ) -> None:
         super().__init__(name="formation-watch", daemon=True)
         self.address, self.port = address, port
+        self.world_size, self.hosts_store = world_size, hosts_store
         self.on_failure = on_failure or (lambda mark: _stop_process(mark, say))
         # torchrun's agent keeps its store across restarts: an earlier round's mark is older than this process
         self.since = process_start_time() - STALE_SLACK if torchrun_job() is not None else float("-inf")
@@ -257,7 +275,11 @@ class FormationWatch(threading.Thread):
                 with store_warnings_off():  # a store that closed (a failed rank 0's, when its hold ends)
                     mark = json.loads(store.get(MARK)) if store.check([MARK]) else None
                     if mark is not None and mark.get("time", 0) >= self.since:
-                        store.add(ANSWERED, 1)
+                        answered = store.add(ANSWERED, 1)
+                        deadline = time.monotonic() + HOLD
+                        while self.hosts_store and answered < self.world_size and time.monotonic() < deadline:
+                            time.sleep(0.2)
+                            answered = store.add(ANSWERED, 0)
             except (RuntimeError, ValueError, OSError):
                 store = None
                 continue

@@ -37,7 +37,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from app.launch.formation import FormationWatch, formed
+from app.launch.formation import FormationWatch, formed, rank_zero_hosts_store
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -85,9 +85,19 @@ def formation_watched(strategy: LightningDDPStrategy):
     """While ``strategy`` forms its process group: a rank that failed before it arrived stops this one in seconds
     (app/launch/formation.py), instead of torch's 30-minute wait."""
     watch = None
-    if strategy.num_nodes * len(strategy.parallel_devices or []) > 1:
+    world_size = strategy.num_nodes * len(strategy.parallel_devices or [])
+    if world_size > 1:
         environment = strategy.cluster_environment
-        watch = FormationWatch(environment.main_address, environment.main_port, say=environment.local_rank() == 0)
+        rank = (
+            environment.node_rank() * len(strategy.parallel_devices) + environment.local_rank()
+        )  # (before ranks are set)
+        watch = FormationWatch(
+            environment.main_address,
+            environment.main_port,
+            world_size=world_size,
+            hosts_store=rank == 0 and rank_zero_hosts_store(),
+            say=environment.local_rank() == 0,
+        )
         watch.start()
     try:
         yield
