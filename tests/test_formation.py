@@ -2,9 +2,9 @@
 line that names it and says why, instead of waiting for torch's 30-minute timeout.
 
 The first tests use a real ``TCPStore`` in this process and the module's own functions; the slow ones start
-``cli.py fit`` twice, as two nodes started by hand (``MASTER_ADDR``, ``NODE_RANK``, ``WORLD_SIZE``, as Lightning's
-docs say), from a folder that is not the repository, one of them with a flag its node has wrong. torchrun's two nodes
-are tests/test_two_nodes.py's, and the shipped SLURM script's tests/test_slurm_docs.py's.
+``cli.py fit`` twice, as two nodes started by hand (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``), from a folder
+that is not the repository, one of them with a flag its node has wrong. torchrun's two nodes are
+tests/test_two_nodes.py's, and the shipped SLURM script's tests/test_slurm_docs.py's.
 """
 
 from __future__ import annotations
@@ -90,11 +90,15 @@ def test_a_rank_that_fails_before_the_group_forms_stops_a_waiting_rank_naming_it
     assert store.add(formation.ANSWERED, 0) == 2  # the failed rank, and the one that read its mark
 
 
-def test_a_failed_rank_0_opens_the_store_itself_until_the_others_have_read_its_mark(launch):
+@pytest.mark.parametrize("world", ["WORLD_SIZE=2", "no WORLD_SIZE"])
+def test_a_failed_rank_0_opens_the_store_itself_until_the_others_have_read_its_mark(world, launch):
     """Rank 0 fails before it opened the store: it opens one with its mark in it; rank 1's watch (which found no
-    store at first) reads it, and rank 0 goes on to exit as soon as rank 1 has, well before its hold ends."""
-    port = launch(WORLD_SIZE="2", RANK="0")
-    watcher, seen = watch(port)  # rank 1: nobody listens on the port yet
+    store at first) reads it, and rank 0 goes on to exit as soon as rank 1 has, well before its hold ends. Nodes
+    started by hand may not export WORLD_SIZE (rank 0 failed before it knew the run's size): the reader says it."""
+    port = launch(RANK="0", **({"WORLD_SIZE": "2"} if world == "WORLD_SIZE=2" else {"NODE_RANK": "0"}))
+    seen: list[dict] = []
+    watcher = formation.FormationWatch("127.0.0.1", port, world_size=2, on_failure=seen.append)  # rank 1
+    watcher.start()  # nobody listens on the port yet
     try:
         time.sleep(0.5)
         assert not seen
@@ -218,13 +222,13 @@ def node_command(tmp_path, node: int, *more: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("failing", [1, 0], ids=["node 1 fails", "node 0 fails"])
 def test_two_nodes_started_by_hand_where_one_has_a_bad_flag_both_end_within_seconds(failing, tmp_path):
-    """Two ``cli.py fit`` processes as two nodes of one ddp run (``MASTER_ADDR``, ``NODE_RANK``, ``WORLD_SIZE``),
+    """Two ``cli.py fit`` processes as two nodes of one ddp run (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``),
     run from a folder outside the repository; one has a mistyped flag. It says so and exits 2; the other, waiting in
     ``init_process_group``, says in one line which rank failed and why, and exits 1, seconds later (torch would wait
     30 minutes). Nothing is written."""
     port = find_free_network_port()
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env = {**base, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    env = {**base, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # no WORLD_SIZE
     processes, logs = {}, {}
     started = time.monotonic()
     for node in (0, 1):
@@ -255,6 +259,7 @@ def test_two_nodes_started_by_hand_where_one_has_a_bad_flag_both_end_within_seco
     assert said in lines[0]
     assert "Traceback" not in output[waiting]
     assert ended[waiting] < 60, ended
+    assert ended[failing] < ended[waiting] + 5, ended  # it stays only until the other has read its mark
     left = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*"))
     assert not left, left
     print(f"\nthe waiting node ended {ended[waiting]:.1f} s after the start, the failed one {ended[failing]:.1f} s")

@@ -38,6 +38,7 @@ from app.launch.launcher import is_first_process, launcher_ranks, slurm_job, tor
 
 MARK = "template/formation/failed"  # the first failure's JSON: rank, host, why, time
 ANSWERED = "template/formation/answered"  # ranks that read the mark or left their own: rank 0's host stops at all
+WORLD = "template/formation/world"  # the ranks of the run, as a watching rank knows it (a failed rank 0 may not)
 POLL = 1.0  # seconds between a watching rank's reads of the store
 POST_WAIT = 15.0  # seconds a failed rank waits for rank 0's store to open (rank 0 may still be importing)
 HOLD = 15.0  # seconds at most that a failed rank 0 keeps its store open for the others to read the mark
@@ -184,9 +185,13 @@ def _host_mark(address: str, port: int, mark: str) -> bool:
     except (RuntimeError, ValueError, OSError):
         return False
     store.set(MARK, mark)
-    others = (expected_ranks() or 0) - 1
+    world = expected_ranks()  # or, where the launcher does not say (nodes started by hand), the first reader's
     wait = _Wait(HOLD, "for the other ranks to read it")
-    while wait.on() and (others <= 0 or store.add(ANSWERED, 0) < others):
+    while wait.on():
+        if world is None and store.check([WORLD]):
+            world = int(store.get(WORLD))
+        if world is not None and store.add(ANSWERED, 0) >= world - 1:
+            break
         time.sleep(0.2)
     return True
 
@@ -275,6 +280,8 @@ class FormationWatch(threading.Thread):
                 with store_warnings_off():  # a store that closed (a failed rank 0's, when its hold ends)
                     mark = json.loads(store.get(MARK)) if store.check([MARK]) else None
                     if mark is not None and mark.get("time", 0) >= self.since:
+                        if self.world_size:
+                            store.set(WORLD, str(self.world_size))
                         answered = store.add(ANSWERED, 1)
                         deadline = time.monotonic() + HOLD
                         while self.hosts_store and answered < self.world_size and time.monotonic() < deadline:
