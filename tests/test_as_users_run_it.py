@@ -561,11 +561,18 @@ def _own_terminal() -> None:
 
 
 def screen(
-    cmd: list[str], cwd: Path, columns: int, rows: int = 40, timeout: float = 240, ctrl_c_after: bytes | None = None
+    cmd: list[str],
+    cwd: Path,
+    columns: int,
+    rows: int = 40,
+    timeout: float = 240,
+    ctrl_c_after: bytes | None = None,
+    ctrl_c_delay: float = 0.0,
 ) -> tuple[int, list[str]]:
     """Run ``cmd`` in a pseudo-terminal of ``columns`` x ``rows`` and return its exit code and what a person sees
-    at the end (scrollback and screen), as a VT100 terminal draws it. With ``ctrl_c_after``, Ctrl-C is typed once
-    that text has been printed (the terminal then sends SIGINT to the command's process group)."""
+    at the end (scrollback and screen), as a VT100 terminal draws it. With ``ctrl_c_after``, Ctrl-C is typed
+    ``ctrl_c_delay`` seconds after that text has been printed (the terminal then sends SIGINT to the command's
+    process group)."""
     import pyte
 
     primary, secondary = pty.openpty()
@@ -578,9 +585,13 @@ def screen(
     os.close(secondary)
     output = bytearray()
     deadline = time.monotonic() + timeout
+    ctrl_c_at = None
     while True:
         assert time.monotonic() < deadline, "timed out"
-        ready, _, _ = select.select([primary], [], [], 0.5)
+        if ctrl_c_at is not None and time.monotonic() >= ctrl_c_at:
+            os.write(primary, b"\x03")
+            ctrl_c_at = None
+        ready, _, _ = select.select([primary], [], [], 0.5 if ctrl_c_at is None else 0.05)
         if ready:
             try:
                 chunk = os.read(primary, 65536)
@@ -590,7 +601,7 @@ def screen(
                 break
             output += chunk
             if ctrl_c_after is not None and ctrl_c_after in output:
-                os.write(primary, b"\x03")
+                ctrl_c_at = time.monotonic() + ctrl_c_delay
                 ctrl_c_after = None
         elif process.poll() is not None:
             break
@@ -638,6 +649,20 @@ def test_ctrl_c_in_a_terminal_says_what_it_does_above_the_bar(tmp_path):
     stopped = [i for i, line in enumerate(lines) if re.match(r"SIGINT: stopped (in the validation )?after step", line)]
     assert len(stopped) == 1 and lines.index(received) < stopped[0], text
     assert sum(line.startswith("Epoch ") for line in lines) == 1, text
+
+
+def test_ctrl_c_mid_epoch_leaves_the_bar_at_the_step_the_stop_line_names(tmp_path):
+    """The bar is redrawn at most every 0.5 s: a stop between two redraws left it at its last one (250/430 under
+    "stopped after step 261", a helper's run of the quickstart). It ends at the step trained."""
+    cmd = cli_command("--trainer.limit_train_batches=1.0", "--data.train_size=16384", "--data.batch_size=4")
+    cmd += ["--trainer.enable_progress_bar=true", "--trainer.limit_val_batches=0"]
+    code, lines = screen(cmd, tmp_path, 160, ctrl_c_after=b"/4096 ", ctrl_c_delay=2.2)  # between two redraws
+    text = "\n".join(lines)
+    assert code == 130, text[-3000:]
+    [stop] = [line for line in lines if line.startswith("SIGINT: stopped after step ")]
+    step = int(re.search(r"after step (\d+) \(epoch 0\)", stop).group(1))
+    [bar] = [line for line in lines if line.startswith("Epoch 0/0")]
+    assert f" {step}/4096 " in bar, text
 
 
 @pytest.mark.parametrize("strategy", ["auto", "ddp", "horovod", "mpirun"])

@@ -181,6 +181,15 @@ class ProgressBar(RichProgressBar):
             self.progress.stop()  # Lightning's teardown stops it again (a no-op) and prepares the next stage's
 
     @override
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """A stop (SIGINT, SIGTERM) or a failure ends the bar where training got to: it said 250/430 under the line
+        "stopped after step 261" (a helper's run, as a user would see it)."""
+        if self.progress is not None and self.train_progress_bar_id is not None and trainer.training:
+            self.progress.update(self.train_progress_bar_id, completed=self._trained_batches)
+            self.refresh()
+        super().on_exception(trainer, pl_module, exception)
+
+    @override
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)  # the version folder: printed once at the start, not worth a place on the bar
