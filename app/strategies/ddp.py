@@ -103,5 +103,6 @@ def formation_watched(strategy: LightningDDPStrategy):
         yield
         formed()
     finally:
-        if watch is not None:
-            watch.stop()
+        if watch is not None:  # ended here, not left in torch's C++ to meet the interpreter's shutdown (as the
+            watch.stop()  # rank watchdog's thread once did: SIGABRT at exit, docs/testing.md)
+            watch.join(timeout=5)
