@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -210,6 +212,105 @@ def test_watching_stops_once_the_group_has_formed(launch):
     assert not seen
 
 
+# ------------------------------------------------------------------------------ a rank killed while the group forms
+def ranks(port: int, world: int, numbers, lost_after: float = 1.0) -> dict[int, tuple]:
+    """Watches of ``numbers`` (global ranks of a run of ``world``) at the store on ``port``: {rank: (watch, seen)}."""
+    watches = {}
+    for rank in numbers:
+        seen: list[dict] = []
+        watcher = formation.FormationWatch(
+            "127.0.0.1", port, world_size=world, on_failure=seen.append, rank=rank, lost_after=lost_after
+        )
+        watcher.start()
+        watches[rank] = (watcher, seen)
+    return watches
+
+
+def test_rank_0_tells_the_others_of_a_rank_whose_count_stopped_and_answers_for_it(launch):
+    """Rank 1 falls silent while ranks 0, 1 and 2 wait for the group (a stopped process, a machine gone: here its
+    watch stops without the group formed): after ``lost_after`` seconds rank 0 leaves the mark of rank 1, the others
+    read it, and rank 1 counts as having read it (the store's host would otherwise hold its store for it)."""
+    port = launch(WORLD_SIZE="3")
+    store = host_store(port)
+    watches = ranks(port, 3, (0, 1, 2))
+    try:
+        assert wait_for(lambda: all(store.check([f"{formation.BEAT}{r}"]) for r in range(3)), timeout=5)
+        watches[1][0].stop()  # silent from now on
+        silent = time.monotonic()
+        assert wait_for(lambda: watches[0][1] and watches[2][1], timeout=10), "the silent rank was not told"
+        told = time.monotonic() - silent
+    finally:
+        for watcher, _ in watches.values():
+            watcher.stop()
+    assert not watches[1][1]
+    mark = watches[2][1][0]
+    assert mark == watches[0][1][0]
+    assert (mark["rank"], mark["host"]) == ("rank 1", socket.gethostname())
+    assert mark["why"].startswith("it has not answered for 1 s: killed, stopped, or its machine lost?"), mark
+    line = formation.peer_failed_line(mark)
+    assert line.startswith(f"error: rank 1 on {socket.gethostname()} failed before the process group formed (it has")
+    assert 1.0 <= told < 4, told
+    assert store.add(formation.ANSWERED, 0) == 3  # ranks 0 and 2, and rank 1 by rank 0
+    print(f"\nrank 1 silent, the others told {told:.2f} s later")
+
+
+def test_a_rank_whose_process_is_gone_from_rank_0s_host_is_lost_at_once(launch):
+    """A rank on rank 0's host whose process has exited (SIGKILL, the out-of-memory killer) is lost at the next read,
+    not after the timeout. Here rank 1 is a real process (``sleep``), its count and pid in the store as its watch
+    leaves them; it is killed."""
+    port = launch(WORLD_SIZE="2")
+    store = host_store(port)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    store.set(f"{formation.WHO}1", f"{socket.gethostname()}:{formation.pid_namespace()}:{sleeper.pid}")
+    store.add(f"{formation.BEAT}1", 1)
+    watches = ranks(port, 2, (0,), lost_after=60)
+    try:
+        time.sleep(0.6)
+        assert not watches[0][1]
+        sleeper.kill()
+        sleeper.wait()
+        killed = time.monotonic()
+        assert wait_for(lambda: watches[0][1], timeout=5)
+        told = time.monotonic() - killed
+    finally:
+        watches[0][0].stop()
+        sleeper.kill()
+    [mark] = watches[0][1]
+    assert mark["why"] == f"its process (pid {sleeper.pid}) is gone: killed, or out of memory?"
+    assert told < 2, told
+    print(f"\nrank 1 killed, rank 0 told {told:.2f} s later")
+
+
+@pytest.mark.parametrize("case", ["formed", "not arrived", "another pid namespace", "torchrun restarts left"])
+def test_no_rank_is_taken_for_lost_that_formed_has_not_arrived_or_is_not_rank_0s_to_judge(case, launch):
+    """Rank 0 judges only a silence that means a lost rank: not a rank whose group formed (its count stops there),
+    not one that has not arrived (it may be slow to start), not the pid of another pid namespace (two containers on
+    one host, each a node), and not under torchrun while its agents will restart the round."""
+    torchrun = {"TORCHELASTIC_RUN_ID": "job", "LOCAL_WORLD_SIZE": "1", "TORCHELASTIC_MAX_RESTARTS": "1"}
+    port = launch(WORLD_SIZE="3", **(torchrun if case == "torchrun restarts left" else {}))
+    store = host_store(port)
+    if case == "another pid namespace":
+        store.set(f"{formation.WHO}1", f"{socket.gethostname()}:4026531836x:999999999")  # no such pid here
+        store.add(f"{formation.BEAT}1", 1)
+        watches = ranks(port, 2, (0,), lost_after=60)
+    else:
+        watches = ranks(port, 3, (0, 1) if case != "not arrived" else (0,), lost_after=0.5)
+    try:
+        if case in ("formed", "torchrun restarts left"):
+            assert wait_for(lambda: store.check([f"{formation.BEAT}1"]), timeout=5)
+            formation._formed = case == "formed"  # this process: rank 1's group formed (the fixture puts it back)
+            watches[1][0].stop()
+            watches[1][0].join(timeout=5)
+            formation._formed = False
+        time.sleep(1.5)  # three times lost_after: rank 1 silent (or absent) all along
+    finally:
+        for watcher, _ in watches.values():
+            watcher.stop()
+    assert not watches[0][1], watches[0][1]
+    assert not store.check([formation.MARK])
+    assert store.check([f"{formation.FORMED}1"]) == (case == "formed")
+
+
 # ------------------------------------------------------------------------------------------------ real processes
 def node_command(tmp_path, node: int, *more: str) -> list[str]:
     return [
@@ -263,6 +364,62 @@ def test_two_nodes_started_by_hand_where_one_has_a_bad_flag_both_end_within_seco
     left = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*"))
     assert not left, left
     print(f"\nthe waiting node ended {ended[waiting]:.1f} s after the start, the failed one {ended[failing]:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["rank 1 killed", "rank 1 stopped", "rank 0 killed"])
+def test_a_rank_killed_while_the_group_forms_stops_the_others_within_seconds(case, tmp_path):
+    """Three nodes started by hand (``cli.py fit``, ``--trainer.num_nodes=3``), the third not yet started, so the
+    first two wait in ``init_process_group``; then one of them is killed with no word of its own (SIGKILL), or stopped
+    (SIGSTOP: a hung process, a machine that is gone without closing anything). The other says in one line which rank
+    is lost and exits 1, without a traceback or torch's C++ frames: at once for a process gone from its host, after
+    ``--watchdog.timeout`` seconds of silence, at once when rank 0, the store's host, is gone. Torch would wait for
+    its 30 minutes (or, for rank 0, print 60 lines)."""
+    port = find_free_network_port()
+    base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env = {**base, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    victim, survivor = (0, 1) if case == "rank 0 killed" else (1, 0)
+    processes, logs = {}, {}
+    for node in (0, 1):
+        logs[node] = tmp_path / f"node{node}.log"
+        with open(logs[node], "w") as log:
+            command = node_command(tmp_path, node, "--watchdog.timeout=3")
+            command[command.index("--trainer.num_nodes=2")] = "--trainer.num_nodes=3"
+            processes[node] = subprocess.Popen(
+                command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                env={**env, "NODE_RANK": str(node), "LOCAL_RANK": "0"},
+            )  # fmt: skip
+    try:
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=120))
+        deadline = time.monotonic() + 120
+        while not store.check([f"{formation.BEAT}0", f"{formation.BEAT}1"]) and time.monotonic() < deadline:
+            time.sleep(0.2)  # both wait for the group: their watches count
+        del store
+        assert all(p.poll() is None for p in processes.values()), [log.read_text()[-2000:] for log in logs.values()]
+        processes[victim].send_signal(signal.SIGSTOP if case == "rank 1 stopped" else signal.SIGKILL)
+        hit = time.monotonic()
+        processes[survivor].wait(timeout=60)
+        ended = time.monotonic() - hit
+    finally:
+        for process in processes.values():
+            process.kill()
+    output = logs[survivor].read_text()
+    assert processes[survivor].returncode == 1, output[-3000:]
+    assert "Traceback" not in output and "frame #" not in output, output[-3000:]
+    lines = [line for line in output.splitlines() if line.startswith("error: ")]
+    if case == "rank 0 killed":
+        said = f"error: rank 0 stopped before the process group formed: the store it hosts at 127.0.0.1:{port}"
+        assert len(lines) == 1 and lines[0].startswith(said), output[-3000:]
+        assert ended < 10, ended
+    else:
+        why = "it has not answered for 3 s" if case == "rank 1 stopped" else "its process (pid "
+        assert len(lines) == 1 and lines[0].startswith("error: rank 1 on "), output[-3000:]
+        assert f"failed before the process group formed ({why}" in lines[0], lines[0]
+        # told at once (or after the timeout), then rank 0 holds its store for node 2, which never came
+        assert ended < (3 if case == "rank 1 stopped" else 0) + formation.HOLD + 15, ended
+        left = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()] if (tmp_path / "runs").exists() else []
+        assert not left, left
+    print(f"\n{case}: the other node ended {ended:.1f} s later")
 
 
 def test_the_c10_log_threshold_is_raised_for_the_store_tries_and_put_back_however_they_overlap():

@@ -17,9 +17,21 @@ every rank itself). So:
   failed and why, and exits with code 1: the main thread is blocked inside ``init_process_group``, where nothing
   can be raised into it.
 
+A rank that is killed while its group forms (SIGKILL, the out-of-memory killer, its machine lost) leaves no mark:
+
+- every watching rank adds to a count of its own in the store each second (:data:`BEAT`), and rank 0's watch, the
+  judge, leaves the mark for a rank whose count stopped: at once where that rank's process, on rank 0's host, is
+  gone; after the rank watchdog's timeout (``--watchdog.timeout``, :data:`LOST_AFTER` without one) of silence
+  otherwise (another host, a stopped process): a rank is lost after as long whether its group formed or not. A rank
+  not yet arrived is not judged: it may be slow to start, and only torch's timeout knows how long to wait for it;
+- rank 0 itself hosts the store, which ends with it: a waiting rank's ``init_process_group`` then fails at once
+  with a network error and 16 lines of C++ frames; it says in one line instead that the store's host stopped
+  (:func:`formation_watched`).
+
 torchrun's agent keeps its store across restarts: under torchrun a worker leaves no mark while its agent will still
-restart it (the restart re-forms the group with every node), and a mark older than this process is one of an
-earlier round's, not read. Once the group has formed, :class:`~app.callbacks.RankWatchdog` takes over.
+restart it (the restart re-forms the group with every node), rank 0 judges no silence then (the agents restart the
+round), and a mark older than this process is one of an earlier round's, not read. Once the group has formed,
+:class:`~app.callbacks.RankWatchdog` takes over.
 """
 
 from __future__ import annotations
@@ -39,6 +51,10 @@ from app.launch.launcher import is_first_process, launcher_ranks, slurm_job, tor
 MARK = "template/formation/failed"  # the first failure's JSON: rank, host, why, time
 ANSWERED = "template/formation/answered"  # ranks that read the mark or left their own: rank 0's host stops at all
 WORLD = "template/formation/world"  # the ranks of the run, as a watching rank knows it (a failed rank 0 may not)
+BEAT = "template/formation/beat/"  # + a rank: the count that rank's watch adds to each poll while its group forms
+WHO = "template/formation/who/"  # + a rank: "host:pid" of that rank, set as its watch starts
+FORMED = "template/formation/formed/"  # + a rank: set once its group formed (its count stops: not a lost rank)
+LOST_AFTER = 15.0  # seconds a rank's count may stand still before rank 0 takes it for lost (the RankWatchdog's timeout)
 POLL = 1.0  # seconds between a watching rank's reads of the store
 POST_WAIT = 15.0  # seconds a failed rank waits for rank 0's store to open (rank 0 may still be importing)
 HOLD = 15.0  # seconds at most that a failed rank 0 keeps its store open for the others to read the mark
@@ -200,8 +216,8 @@ class _Wait:
     """A failed rank's bounded wait to tell the others; after :data:`NOTICE_AFTER` seconds it says, once, what it waits
     for (a rank started alone would otherwise seem to hang after its error). Ctrl-C ends it."""
 
-    def __init__(self, seconds: float, what: str) -> None:
-        self.start, self.seconds, self.what, self.said = time.monotonic(), seconds, what, False
+    def __init__(self, seconds: float, what: str, quiet: bool = False, skip: str = "; Ctrl-C skips it") -> None:
+        self.start, self.seconds, self.what, self.said, self.skip = time.monotonic(), seconds, what, quiet, skip
 
     def left(self) -> float:
         return max(self.start + self.seconds - time.monotonic(), 0.1)
@@ -211,8 +227,8 @@ class _Wait:
         if elapsed >= NOTICE_AFTER and not self.said:
             self.said = True
             print(
-                f"(telling the other ranks of this failure, so that they do not wait for this one: waiting up to "
-                f"{self.seconds - elapsed:.0f} s more {self.what}; Ctrl-C skips it)",
+                f"(telling the other ranks of the failure, so that they do not wait for the failed rank: waiting up to "
+                f"{self.seconds - elapsed:.0f} s more {self.what}{self.skip})",
                 file=sys.stderr,
                 flush=True,
             )
@@ -228,9 +244,31 @@ def peer_failed_line(mark: dict) -> str:
     )
 
 
-def _stop_process(mark: dict, say: bool) -> None:
-    if say:
-        print(peer_failed_line(mark), file=sys.stderr, flush=True)
+def pid_namespace() -> str:
+    """This process's pid namespace (two containers on one host, each a "node", see other pids)."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "?"
+
+
+def store_lost_line(address: str, port: int, err: BaseException) -> str:
+    """What a waiting rank says when the store its group forms at closed under it: its host, rank 0 (or, under
+    torchrun, node 0's agent), stopped without a word (killed, out of memory, its machine lost)."""
+    host = "node 0's torchrun agent" if not rank_zero_hosts_store() else "rank 0"
+    detail = next(iter(str(err).splitlines()), type(err).__name__)
+    return (
+        f"error: {host} stopped before the process group formed: the store it hosts at {address}:{port}, where the "
+        f"group forms, closed ({detail}); this rank stops too (killed, out of memory, or its machine lost? see "
+        f"{host}'s output)"
+    )
+
+
+def stop_process(line: str | None) -> None:
+    """Say ``line`` (where given), run the :func:`before_stopping` cleanups and end the process with exit code 1, from
+    any thread: the main thread may be blocked inside ``init_process_group``, where nothing can be raised into it."""
+    if line:
+        print(line, file=sys.stderr, flush=True)
     for cleanup in _before_stopping:
         with contextlib.suppress(Exception):  # the line is said: the rest is tidying up
             cleanup()
@@ -242,9 +280,12 @@ class FormationWatch(threading.Thread):
     """Reads the store at ``address:port`` every :data:`POLL` seconds while the group forms; on a failed rank's mark
     calls ``on_failure(mark)`` (default: say it, when ``say``, and end the process). :meth:`stop` once formed.
 
-    ``world_size``: the ranks of the run; ``hosts_store``: this process hosts the store (rank 0, not under torchrun's
-    agent store). The host's process keeps the store, which ends with it, open until every rank has read the mark or
-    left its own (at most :data:`HOLD` seconds): a rank that had not read it yet would otherwise wait for good."""
+    ``rank``: this process's global rank, which adds to its count (:data:`BEAT`) at each poll; rank 0 judges the
+    others' counts (the module's docstring) and leaves the mark of a rank silent for ``lost_after`` seconds.
+    ``world_size``: the ranks of the run;
+    ``hosts_store``: this process hosts the store (rank 0, not under torchrun's agent store). The host's process keeps
+    the store, which ends with it, open until every rank has read the mark or left its own (at most :data:`HOLD`
+    seconds): a rank that had not read it yet would otherwise wait for good."""
 
     def __init__(
         self,
@@ -254,13 +295,22 @@ class FormationWatch(threading.Thread):
         hosts_store: bool = False,
         say: bool = True,
         on_failure: Callable | None = None,
+        rank: int | None = None,
+        lost_after: float = LOST_AFTER,
     ) -> None:
         super().__init__(name="formation-watch", daemon=True)
         self.address, self.port = address, port
-        self.world_size, self.hosts_store = world_size, hosts_store
-        self.on_failure = on_failure or (lambda mark: _stop_process(mark, say))
+        self.world_size, self.hosts_store, self.rank, self.lost_after = world_size, hosts_store, rank, lost_after
+        self.say, self._said, self._default = say, False, on_failure is None
+        self.on_failure = on_failure or (lambda mark: self._tell(mark) or stop_process(None))
+        job = torchrun_job()
         # torchrun's agent keeps its store across restarts: an earlier round's mark is older than this process
-        self.since = process_start_time() - STALE_SLACK if torchrun_job() is not None else float("-inf")
+        self.since = process_start_time() - STALE_SLACK if job is not None else float("-inf")
+        # rank 0 judges the others' silence; not where torchrun's agents will restart the round
+        self.judge = rank == 0 and world_size > 1 and not (job is not None and job.restarts_left)
+        self.mark_seen = threading.Event()  # a mark was read: the process ends from this thread
+        self._counts: dict[int, tuple[int, float]] = {}  # rank: (its count, when it was first read so)
+        self._who: dict[int, tuple[str, int]] = {}  # rank: (host, pid)
         self._halt = threading.Event()
 
     def stop(self) -> None:
@@ -275,16 +325,28 @@ class FormationWatch(threading.Thread):
                 store = client(self.address, self.port, timeout=POLL)
                 if store is None:
                     self._halt.wait(POLL / 2)
+                elif self.rank is not None:
+                    with contextlib.suppress(RuntimeError, ValueError, OSError), store_warnings_off():
+                        store.set(f"{WHO}{self.rank}", f"{socket.gethostname()}:{pid_namespace()}:{os.getpid()}")
                 continue
             try:
                 with store_warnings_off():  # a store that closed (a failed rank 0's, when its hold ends)
+                    if self.rank is not None:
+                        store.add(f"{BEAT}{self.rank}", 1)
+                    if self.judge:
+                        self._judge(store)
                     mark = json.loads(store.get(MARK)) if store.check([MARK]) else None
                     if mark is not None and mark.get("time", 0) >= self.since:
+                        self.mark_seen.set()
                         if self.world_size:
                             store.set(WORLD, str(self.world_size))
                         answered = store.add(ANSWERED, 1)
-                        deadline = time.monotonic() + HOLD
-                        while self.hosts_store and answered < self.world_size and time.monotonic() < deadline:
+                        if self.hosts_store:
+                            self._tell(mark)  # now: the hold below may last seconds
+                        quiet = not (self.say and self._default)
+                        # (from this thread: a Ctrl-C reaches the main thread, inside init_process_group, only later)
+                        wait = _Wait(HOLD, "for the other ranks to read it", quiet=quiet, skip="")
+                        while self.hosts_store and answered < self.world_size and wait.on():
                             time.sleep(0.2)
                             answered = store.add(ANSWERED, 0)
             except (RuntimeError, ValueError, OSError):
@@ -294,6 +356,53 @@ class FormationWatch(threading.Thread):
                 self.on_failure(mark)
                 return
             self._halt.wait(POLL)
+        if _formed and store is not None and self.rank is not None:  # its count stops here: not a lost rank
+            with contextlib.suppress(RuntimeError, ValueError, OSError), store_warnings_off():
+                store.set(f"{FORMED}{self.rank}", "1")
+
+    def _tell(self, mark: dict) -> None:
+        """Say which rank failed and why (once; where ``say``), unless a caller handles the failure its own way."""
+        if self.say and not self._said and self._default:
+            self._said = True
+            print(peer_failed_line(mark), file=sys.stderr, flush=True)
+
+    def _judge(self, store) -> None:
+        """Rank 0: leave the mark of the first rank whose count stopped while the group forms (its process gone from
+        this host, or ``lost_after`` seconds of silence), counted as having read it (it never will)."""
+        import torch.distributed as dist
+
+        from app.launch.signals import process_alive
+
+        if dist.is_available() and dist.is_initialized():  # formed here: every rank arrived
+            return
+        now, host = time.monotonic(), socket.gethostname()
+        for rank in range(self.world_size):
+            if rank == self.rank or not store.check([f"{BEAT}{rank}"]):
+                continue  # not arrived yet: it may be slow to start
+            count = int(store.get(f"{BEAT}{rank}"))
+            if rank not in self._who and store.check([f"{WHO}{rank}"]):
+                where, space, pid = store.get(f"{WHO}{rank}").decode().rsplit(":", 2)
+                # its pid means something here only on this host and in this process namespace (not a container's)
+                here = where == host and space == pid_namespace() and pid.isdigit()
+                self._who[rank] = (where, int(pid) if here else 0)
+            where, pid = self._who.get(rank, ("", 0))
+            if self._counts.get(rank, (None,))[0] != count:
+                self._counts[rank] = (count, now)
+            if store.check([f"{FORMED}{rank}"]):
+                continue
+            gone = pid and not process_alive(pid)
+            silent = now - self._counts[rank][1]
+            if not gone and silent < self.lost_after:
+                continue
+            why = (
+                f"its process (pid {pid}) is gone: killed, or out of memory?"
+                if gone
+                else f"it has not answered for {silent:.0f} s: killed, stopped, or its machine lost?"
+            )
+            mark = {"rank": f"rank {rank}", "host": where, "why": why, "time": time.time()}
+            if store.compare_set(MARK, "", json.dumps(mark)).decode() == json.dumps(mark):
+                store.add(ANSWERED, 1)  # on its behalf: it never reads the mark
+            return
 
 
 def announce_uncaught_exceptions() -> None:

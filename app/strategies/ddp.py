@@ -37,7 +37,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from app.launch.formation import FormationWatch, formed, rank_zero_hosts_store
+from app.launch import formation
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -80,29 +80,54 @@ class DDPStrategy(LightningDDPStrategy):
         return DistributedDataParallel(module=model, device_ids=self.determine_ddp_device_ids(), **self._ddp_kwargs)
 
 
+def watchdog_timeout(strategy: LightningDDPStrategy) -> float:
+    """The rank watchdog's timeout among the trainer's callbacks (``--watchdog.timeout``): a rank is lost after as
+    long a silence while its group forms as after; :data:`~app.launch.formation.LOST_AFTER` without a watchdog."""
+    from app.callbacks.rank_watchdog import RankWatchdog
+
+    trainer = getattr(strategy.lightning_module, "_trainer", None)
+    timeouts = [c.timeout for c in getattr(trainer, "callbacks", []) if isinstance(c, RankWatchdog)]
+    return timeouts[0] if timeouts else formation.LOST_AFTER
+
+
 @contextmanager
 def formation_watched(strategy: LightningDDPStrategy):
-    """While ``strategy`` forms its process group: a rank that failed before it arrived stops this one in seconds
-    (app/launch/formation.py), instead of torch's 30-minute wait."""
-    watch = None
+    """While ``strategy`` forms its process group: a rank that failed or was killed before it arrived stops this one
+    in seconds (app/launch/formation.py), instead of torch's 30-minute wait."""
+    import torch.distributed as dist
+
+    from app.launch.library_noise import store_warnings_off
+
     world_size = strategy.num_nodes * len(strategy.parallel_devices or [])
-    if world_size > 1:
-        environment = strategy.cluster_environment
-        rank = (
-            environment.node_rank() * len(strategy.parallel_devices) + environment.local_rank()
-        )  # (before ranks are set)
-        watch = FormationWatch(
-            environment.main_address,
-            environment.main_port,
-            world_size=world_size,
-            hosts_store=rank == 0 and rank_zero_hosts_store(),
-            say=environment.local_rank() == 0,
-        )
-        watch.start()
-    try:
+    if world_size <= 1:
         yield
-        formed()
-    finally:
-        if watch is not None:  # ended here, not left in torch's C++ to meet the interpreter's shutdown (as the
-            watch.stop()  # rank watchdog's thread once did: SIGABRT at exit, docs/testing.md)
-            watch.join(timeout=5)
+        return
+    environment = strategy.cluster_environment
+    rank = environment.node_rank() * len(strategy.parallel_devices) + environment.local_rank()  # (before ranks are set)
+    hosts_store = rank == 0 and formation.rank_zero_hosts_store()
+    watch = formation.FormationWatch(
+        environment.main_address,
+        environment.main_port,
+        world_size=world_size,
+        hosts_store=hosts_store,
+        say=environment.local_rank() == 0,
+        rank=rank,
+        lost_after=watchdog_timeout(strategy),
+    )
+    watch.start()
+    try:
+        # torch prints 16 lines of C++ frames as a warning when the store closes under a waiting rank: said in one
+        # line below (errors still show)
+        with store_warnings_off():
+            yield
+        formation.formed()
+    except dist.DistNetworkError as err:
+        if watch.mark_seen.is_set():  # a failed rank 0 closed the store it held for its mark: the watch says so
+            watch.join(formation.HOLD + 5)  # and ends this process
+        if hosts_store or formation.client(environment.main_address, environment.main_port, timeout=2) is not None:
+            raise  # not a store that closed: another network error, torch's own words
+        line = formation.store_lost_line(environment.main_address, environment.main_port, err)
+        formation.stop_process(line if watch.say else None)
+    finally:  # ended here, not left in torch's C++ to meet the interpreter's shutdown (as the rank watchdog's thread
+        watch.stop()  # once did: SIGABRT at exit, docs/testing.md)
+        watch.join(timeout=5)
