@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from app.launch import formation
+from app.launch.signals import pid_namespace
 from tests.conftest import ROOT
 
 LAUNCH_VARS = (
@@ -261,7 +262,7 @@ def test_a_rank_whose_process_is_gone_from_rank_0s_host_is_lost_at_once(launch):
     port = launch(WORLD_SIZE="2")
     store = host_store(port)
     sleeper = subprocess.Popen(["sleep", "60"])
-    store.set(f"{formation.WHO}1", f"{socket.gethostname()}:{formation.pid_namespace()}:{sleeper.pid}")
+    store.set(f"{formation.WHO}1", f"{socket.gethostname()}:{pid_namespace()}:{sleeper.pid}")
     store.add(f"{formation.BEAT}1", 1)
     watches = ranks(port, 2, (0,), lost_after=60)
     try:

@@ -1174,3 +1174,43 @@ def test_a_store_that_answers_just_after_the_timeout_keeps_the_watchdog_watching
     finally:
         heartbeat._halt.set()
         threading.excepthook = hook
+
+
+@pytest.mark.parametrize("namespace", ["this pid namespace", "another pid namespace"])
+def test_a_peers_pid_is_checked_only_in_the_pid_namespace_it_belongs_to(namespace):
+    """A peer on this host whose process has exited is lost at once, by its pid. Two containers on one host, each a
+    node with the host's name and network (``--network host``), see different processes under the same pid: a pid
+    of another pid namespace is not looked up here (where it names nothing, or another process), and the peer,
+    beating, is not taken for lost. A real store, rank 1's pid a ``sleep`` process killed before it is read."""
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
+    from app.callbacks.heartbeat import Heartbeat
+    from app.launch.signals import pid_namespace
+
+    port = find_free_network_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=5), wait_for_workers=False)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    sleeper.kill()
+    sleeper.wait()
+    space = pid_namespace() if namespace == "this pid namespace" else f"{pid_namespace()}0"
+    store.set("test/pid/1", f"{socket.gethostname()}:{space}:{sleeper.pid}")
+    heartbeat = Heartbeat(store, rank=0, world_size=2, timeout=30, interval=0.1, prefix="test")
+    lost = []
+    heartbeat.on_lost = lambda ranks, reason: lost.append((ranks, reason))
+    heartbeat.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline and not lost:
+            store.add("test/beat/1", 1)  # rank 1 beats all along
+            time.sleep(0.05)
+    finally:
+        heartbeat._halt.set()
+        heartbeat.join(timeout=5)
+    if namespace == "this pid namespace":
+        assert lost == [([1], f"rank 1 (pid {sleeper.pid} on {socket.gethostname()}) has exited")], lost
+    else:
+        assert not lost, lost

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
 from app.launch.library_noise import store_warnings_off
-from app.launch.signals import process_alive
+from app.launch.signals import pid_namespace, process_alive
 
 DONE = -(1 << 40)  # added to a rank's counter when it finishes
 FAILED = 2 * DONE  # added instead when it leaves with an error (not a planned stop: preemption, divergence)
@@ -79,7 +79,7 @@ class Heartbeat(threading.Thread):
         host = socket.gethostname()
         peers = [r for r in range(self.world_size) if r != self.rank]
         try:
-            self.store.set(self._key("pid", self.rank), f"{host}:{os.getpid()}")
+            self.store.set(self._key("pid", self.rank), f"{host}:{pid_namespace()}:{os.getpid()}")
         except Exception as err:  # noqa: BLE001 (no store: nothing to watch)
             rank_zero_debug(f"RankWatchdog: store unusable ({err}); not watching")
             return
@@ -142,8 +142,9 @@ class Heartbeat(threading.Thread):
                 outcome["beats"] = {r: self.store.add(self._key("beat", r), 0) for r in peers}
                 for r in peers:
                     if r not in pids and self.store.check([self._key("pid", r)]):
-                        peer_host, pid = self.store.get(self._key("pid", r)).decode().rsplit(":", 1)
-                        pids[r] = int(pid) if peer_host == host else 0
+                        peer_host, space, pid = self.store.get(self._key("pid", r)).decode().rsplit(":", 2)
+                        # a pid of this host's and this pid namespace (not another container's) can be checked here
+                        pids[r] = int(pid) if (peer_host, space) == (host, pid_namespace()) else 0
         except Exception as err:  # noqa: BLE001 (the store's host is gone, or the network)
             outcome["error"] = err
 

@@ -244,14 +244,6 @@ def peer_failed_line(mark: dict) -> str:
     )
 
 
-def pid_namespace() -> str:
-    """This process's pid namespace (two containers on one host, each a "node", see other pids)."""
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "?"
-
-
 def store_lost_line(address: str, port: int, err: BaseException) -> str:
     """What a waiting rank says when the store its group forms at closed under it: its host, rank 0 (or, under
     torchrun, node 0's agent), stopped without a word (killed, out of memory, its machine lost)."""
@@ -318,6 +310,7 @@ class FormationWatch(threading.Thread):
 
     def run(self) -> None:
         from app.launch.library_noise import store_warnings_off
+        from app.launch.signals import pid_namespace
 
         store = None
         while not self._halt.is_set():
@@ -371,7 +364,7 @@ class FormationWatch(threading.Thread):
         this host, or ``lost_after`` seconds of silence), counted as having read it (it never will)."""
         import torch.distributed as dist
 
-        from app.launch.signals import process_alive
+        from app.launch.signals import pid_namespace, process_alive
 
         if dist.is_available() and dist.is_initialized():  # formed here: every rank arrived
             return

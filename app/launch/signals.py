@@ -7,7 +7,7 @@ still starting keeps them for :class:`~app.callbacks.Preemption`.
 - A rank started by a launcher: :func:`~app.launch.early_signals.catch_early_signals` from its first line, and
   :func:`~app.launch.early_signals.take_early_signals` when
   Preemption installs its handlers.
-- :func:`process_alive`: whether a rank (or the launcher) still runs.
+- :func:`process_alive`: whether a rank (or the launcher) still runs; :func:`pid_namespace`, where its pid means it.
 - :func:`exit_taken_over` / :func:`wait_for_taken_over_exit`: a thread that ends the process itself (the rank
   watchdog's, after a lost rank) and the main thread that must not leave before it (an MPI rank's exit would run
   MPI_Finalize, which waits for the lost rank for good).
@@ -177,6 +177,15 @@ class StopSignals:
                 process.kill()
             cleanup()
         return returncode, (self.received[0] if self.received else 0)
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace: a pid read from a peer on the same host names a process here only where the two
+    share it (two containers on one host, each a node with the host's name and network, do not)."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "?"
 
 
 def process_alive(pid: int) -> bool:
