@@ -81,12 +81,14 @@ class DDPStrategy(LightningDDPStrategy):
 
 
 def watchdog_timeout(strategy: LightningDDPStrategy) -> float:
-    """The rank watchdog's timeout among the trainer's callbacks (``--watchdog.timeout``): a rank is lost after as
-    long a silence while its group forms as after; :data:`~app.launch.formation.LOST_AFTER` without a watchdog."""
-    from app.callbacks.rank_watchdog import RankWatchdog
-
-    trainer = getattr(strategy.lightning_module, "_trainer", None)
-    timeouts = [c.timeout for c in getattr(trainer, "callbacks", []) if isinstance(c, RankWatchdog)]
+    """The rank watchdog's timeout (``--watchdog.timeout``), where the trainer has one: a rank is lost after as long
+    a silence while its group forms as after; :data:`~app.launch.formation.LOST_AFTER` without one. (The watchdog is
+    found by its role in the trainer's stop plan, app/callbacks/stop_plan.py: callbacks are a layer above.)"""
+    try:
+        callbacks = strategy.lightning_module.trainer.callbacks
+    except (AttributeError, RuntimeError):  # no module, or one not attached to a trainer (a strategy used alone)
+        return formation.LOST_AFTER
+    timeouts = [c.timeout for c in callbacks if getattr(type(c), "stop_role", None) == "watchdog"]
     return timeouts[0] if timeouts else formation.LOST_AFTER
 
 
