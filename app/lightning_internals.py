@@ -30,7 +30,7 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    restarts it in full), :func:`validation_follows` and :func:`resume_into_validation` (one right before a
    validation runs it), :func:`put_fit_loop_state` (the state of the last completed step).
 9. :func:`saving_alone` — ``Trainer.save_checkpoint`` on a broken process group: the strategy's barrier and its
-   rank-0-only save, replaced for the duration of one save (:func:`saves_alone` tells checkpoint hooks so).
+   rank-0-only save, replaced for the duration of one save.
 10. :func:`spawned_ranks_launcher` — ``ddp_spawn``'s launcher (the exact class ``_MultiProcessingLauncher``) in the
    launching process, whose SIGTERM the template passes on to the ranks it spawned (:mod:`app.launch.signals`).
 11. :func:`free_strategy_name` — Lightning's accelerator connector refuses any strategy registered under a name
@@ -52,7 +52,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import subprocess
-import weakref
 from collections.abc import Iterator
 
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher
@@ -364,22 +363,12 @@ def saving_alone(strategy) -> Iterator[dict]:
     """While inside: ``trainer.save_checkpoint`` skips the strategy's barrier and hands the checkpoint dict to the
     yielded dict (key ``checkpoint``) instead of writing it on rank 0 only; the caller writes it."""
     captured: dict = {}
-    _saving_alone.add(strategy)
     strategy.barrier = lambda *args, **kwargs: None
     strategy.save_checkpoint = lambda checkpoint, *args, **kwargs: captured.update(checkpoint=checkpoint)
     try:
         yield captured
     finally:
         del strategy.barrier, strategy.save_checkpoint  # the class's methods again
-        _saving_alone.discard(strategy)
-
-
-_saving_alone: weakref.WeakSet = weakref.WeakSet()
-
-
-def saves_alone(strategy) -> bool:
-    """Whether a save is under way inside :func:`saving_alone`: what a checkpoint hook must do without collectives."""
-    return strategy in _saving_alone
 
 
 def spawned_ranks_launcher(strategy):

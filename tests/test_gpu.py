@@ -73,9 +73,10 @@ def test_horovod_ranks_each_given_a_gpu_of_their_own_train_on_it(tmp_path):
 
 
 def test_a_dropout_model_stopped_mid_epoch_on_the_gpu_resumes_bitwise_an_unbroken_run(tmp_path):
-    """The CUDA generators travel in the checkpoint too (app/checkpoints/generators.py): dropout on the GPU draws from
-    them, so a run stopped after step 5 and resumed ends with the weights of an unbroken run, bit for bit (deterministic
-    kernels). Without the RandomState callback the same stop and resume ends elsewhere: the comparison can fail."""
+    """The CUDA generators are seeded at every batch too (app/checkpoints/generators.py): dropout on the GPU draws
+    from them, so a run stopped after step 5 and resumed ends with the weights of an unbroken run, bit for bit
+    (deterministic kernels). Without the RandomState callback the same stop and resume ends elsewhere: the comparison
+    can fail."""
     from tests.test_reliability import DROPOUT, assert_same_weights, fit, last_ckpt, stop_and_resume, versions
 
     run = (*DROPOUT, "--trainer.accelerator=gpu", "--trainer.devices=1", "--trainer.deterministic=true")
@@ -86,7 +87,6 @@ def test_a_dropout_model_stopped_mid_epoch_on_the_gpu_resumes_bitwise_an_unbroke
     [expected] = versions(tmp_path / "unbroken")
     resumed = stop_and_resume(tmp_path / "stopped", run, run)
     assert_same_weights(last_ckpt(resumed), last_ckpt(expected))
-    assert "cuda" in last_ckpt(resumed)["callbacks"]["RandomState"]["ranks"][0]  # CUDA's generators were saved
     without = stop_and_resume(tmp_path / "without", (*run, "--drop_callbacks=[RandomState]"), run)
     weights = last_ckpt(without)["state_dict"]["net.head.weight"]
     assert not torch.equal(weights, last_ckpt(expected)["state_dict"]["net.head.weight"])

@@ -280,11 +280,11 @@ def stop_and_resume(folder: Path, stop: tuple[str, ...], resume: tuple[str, ...]
 @pytest.mark.parametrize(("strategy", "rank"), [("single", 0), ("ddp", 1), ("horovod", 0)])
 def test_a_model_with_dropout_stopped_mid_epoch_resumes_bitwise_an_unbroken_run(strategy, rank, tmp_path):
     """Dropout draws from torch's generator in every step. Lightning's checkpoints hold no generator state and the
-    resumed run is seeded again: it drew other masks and ended 0.29 away (issue 45). Each rank's generators now
-    travel in the checkpoint and come back before the first resumed batch. Without them (the callback dropped) the
-    same stop and resume ends elsewhere: the comparison can fail. The horovod self-launch's ranks start from the
-    launching process's seeded generators, as ddp_spawn's do (they started unseeded: 1.1 away after the resume).
-    dp, ddp_spawn, fsdp and pipeline resume bitwise too (checked once, docs/reliability.md)."""
+    resumed run is seeded again: it drew other masks and ended 0.29 away (issue 45). Each rank now seeds its
+    generators at every batch from the run's seed (kept in the checkpoint), the batch and its rank. Without that (the
+    callback dropped) the same stop and resume ends elsewhere: the comparison can fail. The horovod self-launch's
+    ranks start from the launching process's seeded generators, as ddp_spawn's do (they started unseeded: 1.1 away
+    after the resume). dp, ddp_spawn, fsdp and pipeline resume bitwise too (checked once, docs/reliability.md)."""
     strategies = {**STRATEGIES, "horovod": ["--trainer.strategy=horovod", "--trainer.devices=2"]}
     run = (*strategies[strategy], *DROPOUT)
     (tmp_path / "unbroken").mkdir()
@@ -296,7 +296,7 @@ def test_a_model_with_dropout_stopped_mid_epoch_resumes_bitwise_an_unbroken_run(
     got, want = metrics(*versions(tmp_path / "stopped")), metrics(expected)
     assert got["train/loss"] == want["train/loss"]  # every step's loss, before and after the stop
     state = last_ckpt(resumed)["callbacks"]["RandomState"]
-    assert state["world_size"] == len(state["ranks"]) == (1 if strategy == "single" else 2)
+    assert state == {"seed": 42, "world_size": 1 if strategy == "single" else 2}
     if strategy == "single":
         without = stop_and_resume(tmp_path / "without", (*run, "--drop_callbacks=[RandomState]"), run)
         weights = last_ckpt(without)["state_dict"]["net.head.weight"]
@@ -304,8 +304,8 @@ def test_a_model_with_dropout_stopped_mid_epoch_resumes_bitwise_an_unbroken_run(
 
 
 def test_a_dropout_run_resumed_at_another_world_size_is_the_same_every_time(tmp_path):
-    """2 ranks stopped, resumed on 1 device: one rank cannot draw the masks two ranks drew. It seeds its generators
-    from the seed, the step and its rank, says so, and two such resumes train the same weights."""
+    """2 ranks stopped, resumed on 1 device: one rank cannot draw the masks two ranks drew (it sees both ranks'
+    samples). It says so, and two such resumes train the same weights."""
     stop = (*STRATEGIES["ddp"], *DROPOUT)
     first = stop_and_resume(tmp_path / "first", stop, DROPOUT)
     shutil.copytree(
@@ -313,16 +313,17 @@ def test_a_dropout_run_resumed_at_another_world_size_is_the_same_every_time(tmp_
     )
     again = fit(tmp_path / "again", *DROPOUT, "--ckpt_path=last")
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "holds the random-number state of 2 rank(s), this run has 1: each rank seeds its generators" in (
-        again.stdout + again.stderr
-    )
+    said = "The checkpoint was written by 2 rank(s), this run has 1: other ranks see each batch's samples, so random"
+    assert said in again.stdout + again.stderr
     assert_same_weights(last_ckpt(versions(tmp_path / "again")[-1]), last_ckpt(first))
 
 
-def test_a_resume_on_more_ranks_seeds_each_rank_from_the_seed_the_step_and_its_rank(tmp_path):
+def test_a_resume_on_more_ranks_seeds_each_rank_from_the_runs_seed_the_batch_and_its_rank(tmp_path):
     """One process stopped mid-epoch, resumed on 2 ranks: no rank can draw what the one process would have. Each
-    seeds its generators with derived_seed(42, step, rank) at its first batch, compared here with that value, not
-    with another resume (which a rank-blind or step-blind seed, or no seeding at all, would equal as well)."""
+    seeds its generators with derived_seed(42, epoch, batch, rank) at its first batch (where the stop left the
+    epoch, not 0), compared here with that value, not with another resume (which a rank-blind or batch-blind
+    seed, or no seeding at all, would equal as well). The run's seed is the checkpoint's: 42, though the resume is
+    given another."""
     from app.checkpoints.generators import derived_seed
 
     record = {"class_path": "tests.record_seed.RecordSeed", "init_args": {"folder": str(tmp_path / "seeds")}}
@@ -331,35 +332,48 @@ def test_a_resume_on_more_ranks_seeds_each_rank_from_the_seed_the_step_and_its_r
     stopped = fit(folder, *DROPOUT, signal_at_step(5, "SIGTERM", 0))
     assert stopped.returncode == 143, stopped.stderr[-3000:]
     resumed = fit(
-        folder, *STRATEGIES["ddp"], *DROPOUT, "--ckpt_path=last", "--trainer.callbacks+=" + json.dumps(record)
-    )
+        folder, *STRATEGIES["ddp"], *DROPOUT, "--ckpt_path=last", "--seed_everything=7",
+        "--trainer.callbacks+=" + json.dumps(record),
+    )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     seeds = {r["rank"]: r for r in map(json.loads, map(Path.read_text, (tmp_path / "seeds").glob("rank-*.json")))}
     assert sorted(seeds) == [0, 1]
     [step] = {r["step"] for r in seeds.values()}  # the step resumed from, the stop's (mid-epoch)
     assert 5 <= step < 8 and f"stopped after step {step} (epoch 0)" in stopped.stderr + stopped.stdout
-    assert seeds[0]["seed"] == derived_seed(42, step, 0) and seeds[1]["seed"] == derived_seed(42, step, 1)
-    assert seeds[0]["seed"] != seeds[1]["seed"] and derived_seed(42, step + 1, 0) != seeds[0]["seed"]  # rank, step
-    assert 42 not in {r["seed"] for r in seeds.values()}  # not the CLI's seeding of the start
+    [(epoch, batch)] = {(r["epoch"], r["batch"]) for r in seeds.values()}
+    # where the stop left the epoch, re-dealt over 2 ranks (a step of one process is half a step of two): not 0
+    assert epoch == 0 and 0 < batch <= step, seeds
+    assert seeds[0]["seed"] == derived_seed(42, 0, batch, 0) and seeds[1]["seed"] == derived_seed(42, 0, batch, 1)
+    assert seeds[0]["seed"] != seeds[1]["seed"] and derived_seed(42, 0, batch + 1, 0) != seeds[0]["seed"]
+    assert not {7, 42} & {r["seed"] for r in seeds.values()}  # not the CLI's seeding of the start
 
 
-def test_a_survivors_checkpoint_without_the_lost_ranks_generators_seeds_every_rank():
-    """A survivor's save holds its own generators only (the lost rank's are gone): a restart on the same world size
-    cannot give every rank its own saved state, so every rank takes its derived seed, not the survivor's state."""
+def test_what_a_rank_draws_at_a_batch_depends_only_on_the_seed_the_batch_and_the_rank(monkeypatch):
+    """A lost rank's generators are gone with it, and the survivor's save holds none of them: a job resumed with the
+    node back gives every rank, at the batch it resumes from, what it drew there unbroken. The draws at a batch
+    depend on nothing drawn before; the seed of a resumed run is its checkpoint's."""
     from types import SimpleNamespace
 
     from app.callbacks.random_state import RandomState
-    from app.checkpoints.generators import derived_seed, generator_states
 
-    saved = {"world_size": 2, "seed": 7, "ranks": {0: generator_states()}}  # rank 1's are missing
-    for rank in (0, 1):
-        callback = RandomState()
-        trainer = SimpleNamespace(global_rank=rank, world_size=2, state=SimpleNamespace(fn="fit"))
-        callback.on_load_checkpoint(trainer, None, {"global_step": 9, "callbacks": {callback.state_key: saved}})
-        assert callback._restore == {"seed": derived_seed(7, 9, rank)}
-    whole = {**saved, "ranks": {0: generator_states(), 1: generator_states()}}  # the control: every rank's state
-    callback.on_load_checkpoint(trainer, None, {"global_step": 9, "callbacks": {callback.state_key: whole}})
-    assert set(callback._restore) == {"state"}
+    def draws(callback: RandomState, epoch: int, batch: int, rank: int) -> torch.Tensor:
+        trainer = SimpleNamespace(current_epoch=epoch, global_rank=rank, world_size=2, state=SimpleNamespace(fn="fit"))
+        callback.on_train_batch_start(trainer, None, None, batch)
+        return torch.rand(4)
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "42")  # the run's seed_everything
+    unbroken = RandomState()
+    torch.rand(1000)  # whatever was drawn before
+    at_3 = draws(unbroken, 1, 3, 1)
+    monkeypatch.setenv("PL_GLOBAL_SEED", "7")  # the resume's own seed: not the run's
+    resumed = RandomState()
+    trainer = SimpleNamespace(global_rank=1, world_size=2, state=SimpleNamespace(fn="fit"))
+    resumed.on_load_checkpoint(trainer, None, {"callbacks": {resumed.state_key: {"seed": 42, "world_size": 2}}})
+    assert torch.equal(draws(resumed, 1, 3, 1), at_3)
+    assert not torch.equal(draws(RandomState(), 1, 3, 1), at_3)  # a fresh run seeded 7
+    assert not torch.equal(draws(resumed, 1, 3, 0), at_3)  # another rank
+    assert not torch.equal(draws(resumed, 1, 4, 1), at_3)  # another batch
+    assert not torch.equal(draws(resumed, 0, 3, 1), at_3)  # another epoch
 
 
 def test_a_stop_inside_an_accumulation_window_finishes_the_window_and_resumes_exactly(tmp_path):

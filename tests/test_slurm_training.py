@@ -6,7 +6,7 @@ CPU), a model with dropout, and no flag added for the resume.
   (``--signal=USR1@N``) and a SIGTERM at the time limit: each ends with weights bitwise equal to the unbroken job's,
   in the same run folder;
 - a lost node (its slurmd and its ranks killed): the survivor saves the step in flight, requeues the job, which
-  resumes once the node is back;
+  resumes once the node is back, bitwise equal to the unbroken job too, dropout included;
 - ``scancel --signal=TERM`` then ``scancel``: the state is saved and no rank is left;
 - a requeued job whose checkpoint is damaged says so in one line.
 
@@ -34,9 +34,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("slurm-training"), pytes
 
 SHIPPED = ROOT / "scripts" / "slurm_multinode.sbatch"
 STEPS = 16  # 2 epochs of 8 steps
-# A lost rank's generators are gone with it: the resumed run seeds that rank from the seed, the step and the rank,
-# repeatable but not the unbroken run's dropout masks (docs/reliability.md). A lost node is compared without dropout.
-NO_DROPOUT = ("--model.dropout=0.0",)
 RUN = (
     "--trainer.accelerator=cpu", "--trainer.precision=32-true", "--model.dropout=0.3", "--trainer.max_epochs=2",
     "--trainer.limit_train_batches=8", "--trainer.limit_val_batches=2", "--data.batch_size=8",
@@ -169,11 +166,6 @@ def unbroken(cluster, tmp_path_factory):
     return unbroken_job(cluster, tmp_path_factory.mktemp("unbroken"))
 
 
-@pytest.fixture(scope="module")
-def unbroken_without_dropout(cluster, tmp_path_factory):
-    return unbroken_job(cluster, tmp_path_factory.mktemp("unbroken-no-dropout"), *NO_DROPOUT)
-
-
 def assert_bitwise(job: Job, unbroken) -> None:
     final, expected = job.last(), unbroken()
     assert final["global_step"] == expected["global_step"] == STEPS, job.text()[-3000:]
@@ -289,13 +281,15 @@ def test_a_job_preempted_by_a_higher_priority_partition_resumes_bitwise(cluster,
 
 
 def test_a_lost_node_the_survivor_saves_the_step_requeues_and_the_job_resumes_once_the_node_is_back(
-    cluster, unbroken_without_dropout, tmp_path
+    cluster, unbroken, tmp_path
 ):
     """Node b's slurmd and rank are killed at step 3. Rank 0's watchdog names rank 1 lost within 15 s and saves
     the step from its own thread; SLURM sees the node fail, and the job, requeued (by SLURM or by rank 0, whichever
-    comes first), waits until b is back, then resumes from step 3."""
-    unbroken_without_dropout()  # over before node b is lost: it runs a rank there too
-    job = Job(cluster, tmp_path / "lost-node", more=NO_DROPOUT)
+    comes first), waits until b is back, then resumes from step 3 and ends bitwise equal to the unbroken job, dropout
+    included: rank 1's generators are gone with it, and it draws at step 3 what it drew there unbroken all the same
+    (app/callbacks/random_state.py seeds every rank at every batch from where the run stands)."""
+    unbroken()  # over before node b is lost: it runs a rank there too
+    job = Job(cluster, tmp_path / "lost-node")
     job.held()
     cluster.kill_node("b")  # its slurmd and rank 1
     try:
@@ -316,7 +310,7 @@ def test_a_lost_node_the_survivor_saves_the_step_requeues_and_the_job_resumes_on
     info = job.finished()
     assert info["JobState"] == "COMPLETED"
     assert resumed_at(job) == 3
-    assert_bitwise(job, unbroken_without_dropout)
+    assert_bitwise(job, unbroken)  # dropout included: rank 1's draws at step 3 do not depend on what it had drawn
 
 
 def rank_processes(cluster) -> list[int]:
