@@ -11,7 +11,7 @@ sample of the epoch once. With the same number of ranks the order is exactly tha
 The loader also names each batch by ``(epoch, batch)``: augmentation seeds its random numbers from that name
 (:meth:`ResumableLoader.batch_seed`), so the random crops of a resumed run are those of an unbroken run without any
 random-number state in the checkpoint. Its loaders draw nothing from torch's global generator (which the model's
-dropout draws from, and which :class:`app.callbacks.RandomState` saves and restores).
+dropout draws from, and which :class:`app.callbacks.RandomState` seeds at every batch the same way).
 
 :func:`make_loader` is what a data module calls to get these promises for its own dataset (docs/fork.md).
 """

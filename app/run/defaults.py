@@ -119,7 +119,7 @@ DEFAULT_CALLBACKS = [
     # Checked for every trainer when the callbacks join its stop plan (app/callbacks/stop_plan.py: ORDER).
     {"class_path": "app.callbacks.Elastic"},
     {"class_path": "app.callbacks.Preemption"},
-    {"class_path": "app.callbacks.RandomState"},  # each rank's generators in every checkpoint: exact resume
+    {"class_path": "app.callbacks.RandomState"},  # generators seeded at each batch from the seed: exact resume
     {"class_path": "app.callbacks.ResumeSettings"},  # a resume's changed optimizer settings go over the restored
     {"class_path": "app.callbacks.StopOnNonFinite"},
 ]
