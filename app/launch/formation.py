@@ -357,7 +357,14 @@ class FormationWatch(threading.Thread):
         """Say which rank failed and why (once; where ``say``), unless a caller handles the failure its own way."""
         if self.say and not self._said and self._default:
             self._said = True
-            print(peer_failed_line(mark), file=sys.stderr, flush=True)
+            if self.rank is not None and mark.get("rank") == f"rank {self.rank}":  # stopped, then woken: judged lost
+                line = (
+                    f"error: rank 0 took this rank ({mark['rank']}) for lost before the process group formed "
+                    f"({mark.get('why')}); the other ranks have stopped, and so does this one"
+                )
+            else:
+                line = peer_failed_line(mark)
+            print(line, file=sys.stderr, flush=True)
 
     def _judge(self, store) -> None:
         """Rank 0: leave the mark of the first rank whose count stopped while the group forms (its process gone from
