@@ -26,7 +26,7 @@ A rank that is killed while its group forms (SIGKILL, the out-of-memory killer, 
   not yet arrived is not judged: it may be slow to start, and only torch's timeout knows how long to wait for it;
 - rank 0 itself hosts the store, which ends with it: a waiting rank's ``init_process_group`` then fails at once
   with a network error and 16 lines of C++ frames; it says in one line instead that the store's host stopped
-  (:func:`formation_watched`).
+  (:func:`app.strategies.ddp.formation_watched`).
 
 torchrun's agent keeps its store across restarts: under torchrun a worker leaves no mark while its agent will still
 restart it (the restart re-forms the group with every node), rank 0 judges no silence then (the agents restart the
