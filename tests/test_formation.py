@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -312,6 +313,34 @@ def test_no_rank_is_taken_for_lost_that_formed_has_not_arrived_or_is_not_rank_0s
     assert store.check([f"{formation.FORMED}1"]) == (case == "formed")
 
 
+def test_a_rank_that_cannot_reach_the_groups_store_says_what_it_waits_for_once(launch, monkeypatch, capsys):
+    """A node started before rank 0, or one whose MASTER_ADDR or MASTER_PORT differs, waited silently for torch's 30
+    minutes (a newcomer's run: a late node, 90 s without a word). After ``UNREACHED_NOTICE`` seconds without the
+    store it says once what it waits for; once the store opens it beats, and says nothing more."""
+    monkeypatch.setattr(formation, "UNREACHED_NOTICE", 0.5)
+    port = launch(WORLD_SIZE="2", RANK="1")
+    watcher = formation.FormationWatch("127.0.0.1", port, world_size=2, rank=1)  # a rank's own: it says
+    watcher.start()
+    try:
+        time.sleep(2.0)  # four times the notice's wait
+        before = capsys.readouterr().err
+        store = host_store(port)  # rank 0 opens it at last
+        assert wait_for(lambda: store.check([f"{formation.BEAT}1"]), timeout=5)
+        time.sleep(0.5)
+    finally:
+        watcher.stop()
+        watcher.join(timeout=5)
+    lines = [line for line in before.splitlines() if line.strip()]
+    assert len(lines) == 1, before
+    assert re.fullmatch(
+        rf"\(waiting for the process group's store at 127\.0\.0\.1:{port}, which rank 0 opens: not reachable for "
+        r"\d+ s\. Has rank 0 started, and do all nodes use the same MASTER_ADDR and MASTER_PORT\? torch waits up to "
+        r"30 minutes\)",
+        lines[0],
+    ), lines
+    assert capsys.readouterr().err == ""
+
+
 # ------------------------------------------------------------------------------------------------ real processes
 def node_command(tmp_path, node: int, *more: str) -> list[str]:
     return [
@@ -368,7 +397,7 @@ def test_two_nodes_started_by_hand_where_one_has_a_bad_flag_both_end_within_seco
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["rank 1 killed", "rank 1 stopped", "rank 0 killed"])
+@pytest.mark.parametrize("case", ["rank 1 killed", "rank 1 stopped", "rank 1 woken late", "rank 0 killed"])
 def test_a_rank_killed_while_the_group_forms_stops_the_others_within_seconds(case, tmp_path):
     """Three nodes started by hand (``cli.py fit``, ``--trainer.num_nodes=3``), the third not yet started, so the
     first two wait in ``init_process_group``; then one of them is killed with no word of its own (SIGKILL), or stopped
@@ -376,7 +405,7 @@ def test_a_rank_killed_while_the_group_forms_stops_the_others_within_seconds(cas
     is lost and exits 1, without a traceback or torch's C++ frames: at once for a process gone from its host, after
     ``--watchdog.timeout`` seconds of silence, at once when rank 0, the store's host, is gone. Torch would wait for
     its 30 minutes (or, for rank 0, print 60 lines). The stopped rank, woken while rank 0 still holds its store,
-    reads that it was taken for lost and stops too."""
+    reads that it was taken for lost and stops too; woken after rank 0 has gone, it says it was stopped too long."""
     port = find_free_network_port()
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env = {**base, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
@@ -398,7 +427,8 @@ def test_a_rank_killed_while_the_group_forms_stops_the_others_within_seconds(cas
             time.sleep(0.2)  # both wait for the group: their watches count
         del store
         assert all(p.poll() is None for p in processes.values()), [log.read_text()[-2000:] for log in logs.values()]
-        processes[victim].send_signal(signal.SIGSTOP if case == "rank 1 stopped" else signal.SIGKILL)
+        stopped = case in ("rank 1 stopped", "rank 1 woken late")
+        processes[victim].send_signal(signal.SIGSTOP if stopped else signal.SIGKILL)
         hit = time.monotonic()
         if case == "rank 1 stopped":  # once rank 0 has said so, the stopped rank wakes: it reads that it was lost
             told = lambda: "failed before the process group formed" in logs[survivor].read_text()  # noqa: E731
@@ -407,6 +437,9 @@ def test_a_rank_killed_while_the_group_forms_stops_the_others_within_seconds(cas
             processes[victim].wait(timeout=30)
         processes[survivor].wait(timeout=60)
         ended = time.monotonic() - hit
+        if case == "rank 1 woken late":  # rank 0 and its store are gone by now
+            processes[victim].send_signal(signal.SIGCONT)
+            processes[victim].wait(timeout=30)
     finally:
         for process in processes.values():
             process.kill()
@@ -419,18 +452,21 @@ def test_a_rank_killed_while_the_group_forms_stops_the_others_within_seconds(cas
         assert len(lines) == 1 and lines[0].startswith(said), output[-3000:]
         assert ended < 15, ended  # (a busy machine: 0.1 s alone, 4.8 s beside the suite)
     else:
-        why = "it has not answered for 3 s" if case == "rank 1 stopped" else "its process (pid "
+        why = "it has not answered for 3 s" if stopped else "its process (pid "
         assert len(lines) == 1 and lines[0].startswith("error: rank 1 on "), output[-3000:]
         assert f"failed before the process group formed ({why}" in lines[0], lines[0]
         # told at once (or after the timeout), then rank 0 holds its store for node 2, which never came
-        assert ended < (3 if case == "rank 1 stopped" else 0) + formation.HOLD + 15, ended
-        if case == "rank 1 stopped":
+        assert ended < (3 if stopped else 0) + formation.HOLD + 15, ended
+        if stopped:
             woken = logs[victim].read_text()
             assert processes[victim].returncode == 1, woken[-3000:]
-            said = "error: rank 0 took this rank (rank 1) for lost before the process group formed (it has not"
-            assert [line for line in woken.splitlines() if line.startswith("error: ")] == [
-                next(line for line in woken.splitlines() if line.startswith(said))
-            ], woken[-3000:]
+            said = (
+                "error: rank 0 took this rank (rank 1) for lost before the process group formed (it has not"
+                if case == "rank 1 stopped"
+                else "error: this rank was stopped or frozen for "  # its line says why rank 0's store is gone
+            )
+            errors = [line for line in woken.splitlines() if line.startswith("error: ")]
+            assert len(errors) == 1 and errors[0].startswith(said), woken[-3000:]
         left = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()] if (tmp_path / "runs").exists() else []
         assert not left, left
     print(f"\n{case}: the other node ended {ended:.1f} s later")

@@ -61,6 +61,8 @@ HOLD = 15.0  # seconds at most that a failed rank 0 keeps its store open for the
 NOTICE_AFTER = 3.0  # seconds of that wait after which the failed rank says what it waits for
 EXIT_CODE = 1
 STALE_SLACK = 2.0  # seconds of clock difference between nodes that a mark of this round may show
+UNREACHED_NOTICE = 30.0  # seconds without the group's store after which a waiting rank says what it waits for
+STALL_MEMORY = 60.0  # seconds a watch remembers that its process did not run for a while (stopped, then woken)
 
 _formed = False  # this process's group has formed: a failure after it is the RankWatchdog's
 _announced = False  # this process has left its mark (cli.py's main, then the exception hook: once)
@@ -301,6 +303,9 @@ class FormationWatch(threading.Thread):
         # rank 0 judges the others' silence; not where torchrun's agents will restart the round
         self.judge = rank == 0 and world_size > 1 and not (job is not None and job.restarts_left)
         self.mark_seen = threading.Event()  # a mark was read: the process ends from this thread
+        self.last_poll = time.monotonic()  # when this thread last ran: long ago in a process that was stopped
+        # the longest this thread did not run in the last STALL_MEMORY seconds: a process stopped and woken
+        self.stalled, self.stalled_at = 0.0, self.last_poll
         self._counts: dict[int, tuple[int, float]] = {}  # rank: (its count, when it was first read so)
         self._who: dict[int, tuple[str, int]] = {}  # rank: (host, pid)
         self._halt = threading.Event()
@@ -312,13 +317,22 @@ class FormationWatch(threading.Thread):
         from app.launch.library_noise import store_warnings_off
         from app.launch.signals import pid_namespace
 
-        store = None
+        store, started, waited_silently = None, time.monotonic(), True  # (no store reached yet, nothing said)
         while not self._halt.is_set():
+            now = time.monotonic()
+            gap, self.last_poll = now - self.last_poll, now
+            if gap >= self.stalled or now - self.stalled_at > STALL_MEMORY:
+                self.stalled, self.stalled_at = gap, now
             if store is None:
                 store = client(self.address, self.port, timeout=POLL)
                 if store is None:
+                    if waited_silently and now - started >= UNREACHED_NOTICE:
+                        waited_silently = False
+                        self._say_unreached(now - started)
                     self._halt.wait(POLL / 2)
-                elif self.rank is not None:
+                    continue
+                waited_silently = False
+                if self.rank is not None:
                     with contextlib.suppress(RuntimeError, ValueError, OSError), store_warnings_off():
                         store.set(f"{WHO}{self.rank}", f"{socket.gethostname()}:{pid_namespace()}:{os.getpid()}")
                 continue
@@ -352,6 +366,24 @@ class FormationWatch(threading.Thread):
         if _formed and store is not None and self.rank is not None:  # its count stops here: not a lost rank
             with contextlib.suppress(RuntimeError, ValueError, OSError), store_warnings_off():
                 store.set(f"{FORMED}{self.rank}", "1")
+
+    def stalled_lately(self) -> float:
+        """How long this process did not run lately (its watch's longest pause, or the one under way): a process that
+        was stopped (SIGSTOP, a frozen machine) and woken; 0 where that is long ago."""
+        now = time.monotonic()
+        return max(self.stalled if now - self.stalled_at <= STALL_MEMORY else 0.0, now - self.last_poll)
+
+    def _say_unreached(self, seconds: float) -> None:
+        """A rank whose group's store no one has opened yet says so, once (it would otherwise wait silently for torch's
+        30 minutes: a node started before rank 0, or one whose MASTER_ADDR or MASTER_PORT differs)."""
+        if self.say and self._default:
+            print(
+                f"(waiting for the process group's store at {self.address}:{self.port}, which rank 0 opens: not "
+                f"reachable for {seconds:.0f} s. Has rank 0 started, and do all nodes use the same MASTER_ADDR and "
+                "MASTER_PORT? torch waits up to 30 minutes)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _tell(self, mark: dict) -> None:
         """Say which rank failed and why (once; where ``say``), unless a caller handles the failure its own way."""

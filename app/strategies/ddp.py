@@ -124,11 +124,18 @@ def formation_watched(strategy: LightningDDPStrategy):
             yield
         formation.formed()
     except dist.DistNetworkError as err:
+        stalled = watch.stalled_lately()  # this process was stopped (SIGSTOP, a frozen machine) that long
         if watch.mark_seen.is_set():  # a failed rank 0 closed the store it held for its mark: the watch says so
             watch.join(formation.HOLD + 5)  # and ends this process
         if hosts_store or formation.client(environment.main_address, environment.main_port, timeout=2) is not None:
             raise  # not a store that closed: another network error, torch's own words
         line = formation.store_lost_line(environment.main_address, environment.main_port, err)
+        if stalled > max(watch.lost_after, 5.0):
+            line = (
+                f"error: this rank was stopped or frozen for {stalled:.0f} s before the process group formed, and the "
+                f"store at {environment.main_address}:{environment.main_port} where the group forms is gone: rank 0 "
+                "took this rank for lost and stopped (see its output); start the run again"
+            )
         formation.stop_process(line if watch.say else None)
     finally:  # ended here, not left in torch's C++ to meet the interpreter's shutdown (as the rank watchdog's thread
         watch.stop()  # once did: SIGABRT at exit, docs/testing.md)
