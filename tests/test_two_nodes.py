@@ -7,6 +7,7 @@ own, read from the doc, so that a change there is run here; only what two one-CP
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import os
@@ -83,7 +84,7 @@ def on_two_cpu_nodes(words: list[str], root: Path) -> list[str]:
     the tests' tiny task for the full recipe. Its multi-node preset, host names, port and the rest stay."""
     if words[0] == "torchrun":
         words = replace(words, "--nproc_per_node=4", "--nproc_per_node=1")
-    else:  # mpirun -np 8 -H a:4,b:4
+    elif words[0] == "mpirun":  # mpirun -np 8 -H a:4,b:4
         words = replace(replace(words, "8", "2"), "a:4,b:4", "a:1,b:1")
     # the task's recipe (the first --config, the example's) becomes the tests' own task; the launch preset stays
     recipe = next(w for w in words if w.startswith("configs/") and "multinode" not in w)
@@ -162,6 +163,32 @@ def test_ddp_under_torchrun_trains_across_two_nodes_with_the_docs_command(nodes,
         assert process.returncode == 0, f"node {name} exited {process.returncode}:\n{logs[name].read_text()[-4000:]}"
     assert_trained_across_both_nodes(root, nodes, before, logs)
     print(f"torchrun across two nodes: {seconds:.1f} s")
+
+
+@pytest.mark.slow
+def test_nodes_started_by_hand_train_across_two_nodes_with_the_docs_commands(nodes, tmp_path):
+    """docs/multi-node.md's commands for nodes started without a launcher (``MASTER_ADDR=a MASTER_PORT=29500
+    NODE_RANK=N python cli.py fit ...``, the preset's num_nodes), the first on node ``a``, the second on ``b``, b
+    started first (it waits for rank 0's store): both exit 0, and the run trained every step at world size 2 with a
+    rank on each node."""
+    root = tmp_path / "runs"
+    commands = doc_commands("**By hand, without a launcher**")
+    assert len(commands) == 2, commands
+    logs, processes = {}, {}
+    before = nodes.b.link_bytes()
+    for node, words in reversed(list(zip(nodes.nodes, commands, strict=True))):
+        variables = dict(w.split("=", 1) for w in itertools.takewhile(lambda w: "=" in w and w[0] != "-", words))
+        words = words[len(variables) :]
+        assert words[:3] == ["python", "cli.py", "fit"], words
+        assert variables == {"MASTER_ADDR": "a", "MASTER_PORT": "29500", "NODE_RANK": str(int(node.name == "b"))}
+        logs[node.name] = tmp_path / f"{node.name}.log"
+        command = on_two_cpu_nodes(words, root)
+        processes[node.name] = node.popen(command, log=logs[node.name], env=node_env(**variables), cwd=ROOT)
+        time.sleep(2)
+    wait_all(processes, logs, timeout=240)
+    for name, process in processes.items():
+        assert process.returncode == 0, f"node {name} exited {process.returncode}:\n{logs[name].read_text()[-4000:]}"
+    assert_trained_across_both_nodes(root, nodes, before, logs)
 
 
 @pytest.mark.slow
