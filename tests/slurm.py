@@ -392,6 +392,24 @@ class SlurmCluster:
         """Start node ``name``'s slurmd again (``ReturnToService=2`` makes a DOWN node idle once it registers)."""
         self._daemon(f"slurmd-{name}", self.net.node(name), ["slurmd", "-D", "-f", str(self.conf), "-N", name])
 
+    def wait_until_node_runs_steps(self, name: str, timeout: float = 90) -> int:
+        """Return once node ``name`` runs a job step (``srun -w NAME true``) after :meth:`start_node`: "idle" in
+        ``sinfo`` was not enough under load, where the first task its new slurmd launched died before it printed a
+        line and the job's other rank waited at the rendezvous for good. The number of probes it took."""
+        deadline, probes = time.monotonic() + timeout, 0
+        while True:
+            probes += 1
+            try:
+                probe = self.srun("-w", name, "-N1", "-n1", "true", timeout=20, check=False)
+                if probe.returncode == 0:
+                    return probes
+                why = (probe.stderr or probe.stdout).strip()
+            except subprocess.TimeoutExpired:
+                why = "no answer within 20 s"
+            if time.monotonic() > deadline:
+                raise SlurmError(f"node {name} runs no job step ({why}) after {timeout:g} s\n{self.logs_tail()}")
+            time.sleep(1)
+
     # ---------------------------------------------------------------- logs
     def log(self, name: str) -> str:
         """A daemon's log: ``slurmctld``, ``slurmd-a``, ``slurmd-b`` or ``munged`` (with what it printed itself)."""

@@ -305,6 +305,7 @@ def test_a_lost_node_the_survivor_saves_the_step_requeues_and_the_job_resumes_on
     deadline = time.monotonic() + 60
     while cluster.node_state("b") != "idle" and time.monotonic() < deadline:
         time.sleep(0.5)
+    cluster.wait_until_node_runs_steps("b")  # idle was not enough under load (tests/slurm.py)
     cluster.scontrol("release", job.id)
     job.release()
     info = job.finished()
