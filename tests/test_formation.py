@@ -319,19 +319,25 @@ def test_a_rank_that_cannot_reach_the_groups_store_says_what_it_waits_for_once(l
     store it says once what it waits for; once the store opens it beats, and says nothing more."""
     monkeypatch.setattr(formation, "UNREACHED_NOTICE", 0.5)
     port = launch(WORLD_SIZE="2", RANK="1")
+    # the port held, not listening, while the watch waits: no other process of a parallel test run can open a store
+    # there, and no try to connect to it can be given it as its own port (a TCP self-connect)
+    held = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    held.bind(("127.0.0.1", port))
     watcher = formation.FormationWatch("127.0.0.1", port, world_size=2, rank=1)  # a rank's own: it says
     watcher.start()
     try:
         time.sleep(2.0)  # four times the notice's wait
         before = capsys.readouterr().err
+        held.close()
         store = host_store(port)  # rank 0 opens it at last
         assert wait_for(lambda: store.check([f"{formation.BEAT}1"]), timeout=5)
         time.sleep(0.5)
     finally:
+        held.close()
         watcher.stop()
         watcher.join(timeout=5)
     lines = [line for line in before.splitlines() if line.strip()]
-    assert len(lines) == 1, before
+    assert len(lines) == 1, (before, watcher.stalled)
     assert re.fullmatch(
         rf"\(waiting for the process group's store at 127\.0\.0\.1:{port}, which rank 0 opens: not reachable for "
         r"\d+ s\. Has rank 0 started, and do all nodes use the same MASTER_ADDR and MASTER_PORT\? torch waits up to "

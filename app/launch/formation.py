@@ -258,6 +258,16 @@ def store_lost_line(address: str, port: int, err: BaseException) -> str:
     )
 
 
+def stalled_line(address: str, port: int, seconds: float) -> str:
+    """What a rank says that was stopped (SIGSTOP, a frozen machine) while its group formed, and woke to find the
+    store gone: rank 0 judged it lost and left."""
+    return (
+        f"error: this rank was stopped or frozen for {seconds:.0f} s before the process group formed, and the store at "
+        f"{address}:{port} where the group forms is gone: rank 0 took this rank for lost and stopped (see its "
+        "output); start the run again"
+    )
+
+
 def stop_process(line: str | None) -> None:
     """Say ``line`` (where given), run the :func:`before_stopping` cleanups and end the process with exit code 1, from
     any thread: the main thread may be blocked inside ``init_process_group``, where nothing can be raised into it."""

@@ -129,13 +129,11 @@ def formation_watched(strategy: LightningDDPStrategy):
             watch.join(formation.HOLD + 5)  # and ends this process
         if hosts_store or formation.client(environment.main_address, environment.main_port, timeout=2) is not None:
             raise  # not a store that closed: another network error, torch's own words
-        line = formation.store_lost_line(environment.main_address, environment.main_port, err)
-        if stalled > max(watch.lost_after, 5.0):
-            line = (
-                f"error: this rank was stopped or frozen for {stalled:.0f} s before the process group formed, and the "
-                f"store at {environment.main_address}:{environment.main_port} where the group forms is gone: rank 0 "
-                "took this rank for lost and stopped (see its output); start the run again"
-            )
+        address, port = environment.main_address, environment.main_port
+        if stalled > max(watch.lost_after, 5.0):  # it was this rank that fell silent
+            line = formation.stalled_line(address, port, stalled)
+        else:
+            line = formation.store_lost_line(address, port, err)
         formation.stop_process(line if watch.say else None)
     finally:  # ended here, not left in torch's C++ to meet the interpreter's shutdown (as the rank watchdog's thread
         watch.stop()  # once did: SIGABRT at exit, docs/testing.md)
