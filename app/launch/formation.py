@@ -1,11 +1,8 @@
 """A rank that fails before the process group forms stops the others in seconds, not after torch's 30 minutes.
 
-The group forms in ``init_process_group``: a ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` (hosted by rank 0, or by
-torchrun's agent) where every rank arrives and waits for all the others. A rank that fails before it arrives (a flag
-its node's command line has wrong, a file missing on its node, a GPU that does not start) never comes, and the
-others wait for torch's timeout, 30 minutes by default, without a word, holding their devices. Lightning's ddp
-launcher and torchrun's agent end the other ranks of the failed rank's node, but nothing tells the other nodes
-(seen here with two torchrun nodes and with ranks started by hand; mpirun, the horovod strategy's launcher, ends
+The group forms in ``init_process_group``, at a ``TCPStore`` at ``MASTER_ADDR:MASTER_PORT`` (rank 0's, or torchrun's
+agent's). A rank that fails before it arrives (a flag wrong on its node, a missing file, a GPU that does not start)
+never comes, and the others waited for torch's 30 minutes without a word; nothing told the other nodes (mpirun ends
 every rank itself). So:
 
 - a rank that exits with an error before the group formed leaves a mark in that store: who it was and the line that
@@ -19,18 +16,15 @@ every rank itself). So:
 
 A rank that is killed while its group forms (SIGKILL, the out-of-memory killer, its machine lost) leaves no mark:
 
-- every watching rank adds to a count of its own in the store each second (:data:`BEAT`), and rank 0's watch, the
-  judge, leaves the mark for a rank whose count stopped: at once where that rank's process, on rank 0's host, is
-  gone; after the rank watchdog's timeout (``--watchdog.timeout``, :data:`LOST_AFTER` without one) of silence
-  otherwise (another host, a stopped process): a rank is lost after as long whether its group formed or not. A rank
-  not yet arrived is not judged: it may be slow to start, and only torch's timeout knows how long to wait for it;
-- rank 0 itself hosts the store, which ends with it: a waiting rank's ``init_process_group`` then fails at once
-  with a network error and 16 lines of C++ frames; it says in one line instead that the store's host stopped
-  (:func:`app.strategies.ddp.formation_watched`).
+- every watching rank adds to a count of its own in the store each second (:data:`BEAT`), and rank 0's watch
+  leaves the mark for a rank whose count stopped: at once where its process, on rank 0's host, is gone; else after
+  the rank watchdog's timeout (``--watchdog.timeout``, :data:`LOST_AFTER` without one). A rank not yet arrived is
+  not judged: it may be slow to start;
+- rank 0 hosts the store, which ends with it: a waiting rank's ``init_process_group`` then fails at once, and it
+  says so in one line (:func:`app.strategies.ddp.formation_watched`), not torch's 60.
 
-torchrun's agent keeps its store across restarts: under torchrun a worker leaves no mark while its agent will still
-restart it (the restart re-forms the group with every node), rank 0 judges no silence then (the agents restart the
-round), and a mark older than this process is one of an earlier round's, not read. Once the group has formed,
+Under torchrun, while the agents will restart the round, a failed worker leaves no mark and rank 0 judges no
+silence; a mark older than this process (the agent's store outlives a round) is not read. Once formed,
 :class:`~app.callbacks.RankWatchdog` takes over.
 """
 
@@ -215,8 +209,7 @@ def _host_mark(address: str, port: int, mark: str) -> bool:
 
 
 class _Wait:
-    """A failed rank's bounded wait to tell the others; after :data:`NOTICE_AFTER` seconds it says, once, what it waits
-    for (a rank started alone would otherwise seem to hang after its error). Ctrl-C ends it."""
+    """A bounded wait to tell the others of a failure; after :data:`NOTICE_AFTER` s it says once what it waits for."""
 
     def __init__(self, seconds: float, what: str, quiet: bool = False, skip: str = "; Ctrl-C skips it") -> None:
         self.start, self.seconds, self.what, self.said, self.skip = time.monotonic(), seconds, what, quiet, skip
@@ -228,11 +221,9 @@ class _Wait:
         elapsed = time.monotonic() - self.start
         if elapsed >= NOTICE_AFTER and not self.said:
             self.said = True
-            print(
+            say(
                 f"(telling the other ranks of the failure, so that they do not wait for the failed rank: waiting up to "
-                f"{self.seconds - elapsed:.0f} s more {self.what}{self.skip})",
-                file=sys.stderr,
-                flush=True,
+                f"{self.seconds - elapsed:.0f} s more {self.what}{self.skip})"
             )
         return elapsed < self.seconds
 
@@ -246,9 +237,16 @@ def peer_failed_line(mark: dict) -> str:
     )
 
 
-def store_lost_line(address: str, port: int, err: BaseException) -> str:
+def store_lost_line(address: str, port: int, err: BaseException, stalled: float = 0.0) -> str:
     """What a waiting rank says when the store its group forms at closed under it: its host, rank 0 (or, under
-    torchrun, node 0's agent), stopped without a word (killed, out of memory, its machine lost)."""
+    torchrun, node 0's agent), stopped without a word (killed, out of memory, its machine lost); or, ``stalled``
+    seconds after this rank was stopped (SIGSTOP, a frozen machine), rank 0 took this rank for lost and left."""
+    if stalled:
+        return (
+            f"error: this rank was stopped or frozen for {stalled:.0f} s before the process group formed, and the "
+            f"store at {address}:{port} where the group forms is gone: rank 0 took this rank for lost and stopped "
+            "(see its output); start the run again"
+        )
     host = "node 0's torchrun agent" if not rank_zero_hosts_store() else "rank 0"
     detail = next(iter(str(err).splitlines()), type(err).__name__)
     return (
@@ -258,21 +256,15 @@ def store_lost_line(address: str, port: int, err: BaseException) -> str:
     )
 
 
-def stalled_line(address: str, port: int, seconds: float) -> str:
-    """What a rank says that was stopped (SIGSTOP, a frozen machine) while its group formed, and woke to find the
-    store gone: rank 0 judged it lost and left."""
-    return (
-        f"error: this rank was stopped or frozen for {seconds:.0f} s before the process group formed, and the store at "
-        f"{address}:{port} where the group forms is gone: rank 0 took this rank for lost and stopped (see its "
-        "output); start the run again"
-    )
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def stop_process(line: str | None) -> None:
     """Say ``line`` (where given), run the :func:`before_stopping` cleanups and end the process with exit code 1, from
     any thread: the main thread may be blocked inside ``init_process_group``, where nothing can be raised into it."""
     if line:
-        print(line, file=sys.stderr, flush=True)
+        say(line)
     for cleanup in _before_stopping:
         with contextlib.suppress(Exception):  # the line is said: the rest is tidying up
             cleanup()
@@ -387,12 +379,10 @@ class FormationWatch(threading.Thread):
         """A rank whose group's store no one has opened yet says so, once (it would otherwise wait silently for torch's
         30 minutes: a node started before rank 0, or one whose MASTER_ADDR or MASTER_PORT differs)."""
         if self.say and self._default:
-            print(
+            say(
                 f"(waiting for the process group's store at {self.address}:{self.port}, which rank 0 opens: not "
                 f"reachable for {seconds:.0f} s. Has rank 0 started, and do all nodes use the same MASTER_ADDR and "
-                "MASTER_PORT? torch waits up to 30 minutes)",
-                file=sys.stderr,
-                flush=True,
+                "MASTER_PORT? torch waits up to 30 minutes)"
             )
 
     def _tell(self, mark: dict) -> None:
@@ -406,7 +396,7 @@ class FormationWatch(threading.Thread):
                 )
             else:
                 line = peer_failed_line(mark)
-            print(line, file=sys.stderr, flush=True)
+            say(line)
 
     def _judge(self, store) -> None:
         """Rank 0: leave the mark of the first rank whose count stopped while the group forms (its process gone from

@@ -129,11 +129,8 @@ def formation_watched(strategy: LightningDDPStrategy):
             watch.join(formation.HOLD + 5)  # and ends this process
         if hosts_store or formation.client(environment.main_address, environment.main_port, timeout=2) is not None:
             raise  # not a store that closed: another network error, torch's own words
-        address, port = environment.main_address, environment.main_port
-        if stalled > max(watch.lost_after, 5.0):  # it was this rank that fell silent
-            line = formation.stalled_line(address, port, stalled)
-        else:
-            line = formation.store_lost_line(address, port, err)
+        stalled = stalled if stalled > max(watch.lost_after, 5.0) else 0.0  # it was this rank that fell silent
+        line = formation.store_lost_line(environment.main_address, environment.main_port, err, stalled)
         formation.stop_process(line if watch.say else None)
     finally:  # ended here, not left in torch's C++ to meet the interpreter's shutdown (as the rank watchdog's thread
         watch.stop()  # once did: SIGABRT at exit, docs/testing.md)
