@@ -24,7 +24,8 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    logs after this step), :func:`step_values_read` (is this
    step's logged value read: the loop's last-batch flag, ``val_check_batch``, ``total_batch_idx``),
    :func:`shift_batch_count` (an elastic restart lines the batch count up with the
-   re-dealt loader), :func:`fit_loop_state` (the loops' state after a step).
+   re-dealt loader), :func:`fit_loop_state` (the loops' state after a step); and its training loader:
+   :func:`apply_loader_position` (a loader built before the restore gets its saved position).
 8. The layout of ``checkpoint["loops"]``: :func:`epochs_done`, :func:`validation_progress`,
    :func:`fit_loop_of`, :func:`restart_validation` (a stop or a lost rank in validation
    restarts it in full), :func:`validation_follows` and :func:`resume_into_validation` (one right before a
@@ -298,6 +299,27 @@ def shift_batch_count(trainer, shift: int) -> None:
 def batch_count(trainer) -> int:
     """Training batches of the current epoch that the loop counts as started (its ``ready`` counter)."""
     return trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+def apply_loader_position(trainer) -> bool:
+    """Hand the training loader the position the checkpoint saved, when the fit loop built the loader before the
+    restore and so never did; True when it had to. Call it in ``on_train_start``, before the first batch.
+
+    Lightning 2.6 builds the training loader when the task reads ``trainer.estimated_stepping_batches`` (or calls
+    ``trainer.fit_loop.setup_data()`` to read ``len(trainer.train_dataloader)``) in ``setup``,
+    ``configure_optimizers`` or ``on_fit_start``, as Lightning's docs recommend for sizing a schedule: before the
+    checkpoint is restored. Its fit loop then skips ``setup_data()`` after the restore, where it hands a restarting
+    loader its saved state, and the state waits unused: a resume trained the stopped epoch's first batches again.
+    Here the loop's own loading step runs late, and the loader's iterator is made anew (the one made early read
+    nothing yet, but a prefetching loader may have).
+    """
+    loop = trainer.fit_loop
+    if not (loop.restarting and loop._combined_loader_states_to_load and loop._combined_loader is not None):
+        return False  # nothing waits: the loop applied it (and emptied the list), or the run is not mid-epoch
+    loop._load_combined_loader_states()
+    if loop._data_fetcher is not None:
+        iter(loop._data_fetcher)
+    return True
 
 
 def fit_loop_state(trainer) -> dict:

@@ -391,6 +391,50 @@ def test_loop_counters_and_the_checkpoints_loop_layout(tmp_path):
     assert checkpoint["loops"]["fit_loop"] is state
 
 
+def test_a_loader_built_before_the_restore_gets_its_saved_position(tmp_path):
+    """Item 7's loader step, on a real fit: a module that reads ``estimated_stepping_batches`` in
+    ``configure_optimizers`` (Lightning builds the loader then, before the restore) resumes from a mid-epoch
+    checkpoint; Lightning leaves the saved state waiting, :func:`apply_loader_position` hands it over, and the
+    resumed epoch's first batch is the one after the stop. The tests' fork (tests/test_fork_resume.py) checks the
+    weights."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
+
+    from app.lightning_internals import apply_loader_position
+    from app.loader import make_loader
+
+    data = RandomDataset(32, 16)
+    first: list[int] = []
+
+    class Early(BoringModel):
+        def train_dataloader(self):
+            return make_loader(self.trainer, data, train=True, batch_size=2)
+
+        def configure_optimizers(self):
+            assert self.trainer.estimated_stepping_batches == 16  # builds the training loader, before any restore
+            return super().configure_optimizers()
+
+    class Stop(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                trainer.save_checkpoint(tmp_path / "mid.ckpt")  # where ModelCheckpoint saves every n steps
+                trainer.should_stop = True
+
+    class Resume(Callback):
+        def on_train_start(self, trainer, pl_module):
+            loader = trainer.train_dataloader
+            first.append(apply_loader_position(trainer))
+            first.append(loader.first_batch())
+
+    settings = dict(
+        default_root_dir=tmp_path, accelerator="cpu", max_epochs=2, limit_val_batches=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    Trainer(**settings, callbacks=[Stop()]).fit(Early())
+    Trainer(**settings, callbacks=[Resume()]).fit(Early(), ckpt_path=tmp_path / "mid.ckpt")
+    assert first == [True, 3]  # applied late; the epoch goes on at batch 3
+
+
 def test_the_fsdp_name_list_the_accelerator_connector_checks():
     """Item 10: Lightning's own FSDP strategy keeps the names it registered in a class list, which the connector
     checks against a CPU accelerator; freed, the template's fsdp takes the name on a CPU."""

@@ -9,6 +9,9 @@
   resumes from it;
 - :mod:`~app.callbacks.elastic.metrics`: the restarted run keeps one ``metrics.csv``.
 
+On every resume it first hands the training loader the position the checkpoint saved, when the task built the loader
+before the restore (:func:`app.lightning_internals.apply_loader_position`).
+
 :class:`ElasticRunFolder` (:mod:`~app.callbacks.elastic.run_folder`) keeps a torchrun job's restarts in one run folder.
 """
 

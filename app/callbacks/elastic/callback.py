@@ -13,6 +13,7 @@ from app.callbacks.elastic.metrics import MetricsContinuation
 from app.callbacks.elastic.world_size import WorldSizeChange
 from app.callbacks.stop_plan import stop_plan
 from app.launch.restarts import is_restart, restarts_possible
+from app.lightning_internals import apply_loader_position
 
 
 class Elastic(Callback):
@@ -82,6 +83,9 @@ class Elastic(Callback):
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:
+        # A loader the task had built before the restore (configure_optimizers read estimated_stepping_batches)
+        # gets its saved position now: first, since the parts below read it.
+        apply_loader_position(trainer)
         if not self.world.train_start(trainer, self._restored, self.restartable):
             return  # a loader of the task's own: none of this applies (a warning said which promise is lost)
         if self.restartable:
