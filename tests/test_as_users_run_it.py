@@ -230,7 +230,7 @@ def test_a_yaml_callbacks_list_keeps_the_default_callbacks(tmp_path):
     assert result.stderr.strip().splitlines()[-1:] == [
         "error: --drop_callbacks: 'RunReprt' is not a default callback (did you mean RunReport?); they are "
         "ProgressBar, RichModelSummary, LearningRateMonitor, ModelCheckpoint, RunReport, PredictionWriter, "
-        "Elastic, Preemption, RandomState, ResumeSettings, StopOnNonFinite"
+        "Elastic, Preemption, RandomState, ResumeSettings, StopOnNonFinite, TrackerRuns"
     ]
 
 

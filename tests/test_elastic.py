@@ -40,6 +40,7 @@ from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import MPI_ENV
 from tests.record_samples import read_records
 from tests.tiny import LR, TinyClassifier
+from tests.trackers import mlflow_runs
 
 SAMPLES, BATCH = 48, 4  # a training set of 48, 4 per device: 6 steps an epoch on 2 devices
 EPOCHS = 2
@@ -121,12 +122,15 @@ def run_two_nodes(tmp_path: Path, port: int, args: list[str]) -> tuple[subproces
 def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_once(tmp_path):
     """Two torchrun agents (nodes); after step 3 one node's agent and worker are SIGKILLed. The survivor's collective
     fails, it saves the state after step 3, torchrun restarts it at world size 1, and it resumes from that state with
-    accumulate_grad_batches 2 (the same global batch), in the same run folder."""
+    accumulate_grad_batches 2 (the same global batch), in the same run folder. An MLflow run (a SQLite store) logs
+    beside the run folder: the restart goes on in it, each step logged once."""
     root, records = tmp_path / "runs", tmp_path / "records"
     port = find_free_network_port()
     lose = {"class_path": "tests.lose_node.LoseNodeAtStep", "init_args": {"step": 3}}
     args = fit_args(root, records, "--trainer.strategy=ddp", "--trainer.callbacks+=" + json.dumps(lose))
     args.append("--trainer.callbacks+=" + json.dumps(SURVIVOR_COMPUTES))
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    args += ["--trainer.logger+=lightning.pytorch.loggers.MLFlowLogger", f"--trainer.logger.tracking_uri={store}"]
 
     survivor, lost = run_two_nodes(tmp_path, port, args)
     output, other = (tmp_path / "survivor.log").read_text(), (tmp_path / "lost.log").read_text()
@@ -165,6 +169,8 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     # finished: a later job with the same --rdzv-id starts a run of its own; a restart by this job's agent does not
     marker = json.loads((run / "elastic.json").read_text())
     assert marker["rdzv_id"] == "elastic-test" and marker["finished"] is True and len(marker["agents"]) == 1
+    [tracked] = mlflow_runs(store, "lightning_logs")  # one MLflow run across the restart, each step once
+    assert tracked["steps"] == list(range(final["global_step"])) and tracked["status"] == "FINISHED", tracked
 
     kill = max(r["time"] for r in recorded if r["world"] == 2 and r["rank"] == 1)
     first_after = min(r["time"] for r in recorded if r["world"] == 1)

@@ -24,9 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from mlflow.tracking import MlflowClient
 
 from tests.conftest import ROOT
 from tests.slurm import SlurmCluster, slurm_available
+from tests.trackers import mlflow_runs
 
 # one worker, one cluster; a test waits for jobs, requeues and (the lost node's) its reference job: more than 300 s
 # under load
@@ -187,7 +189,10 @@ def resumed_at(job: Job) -> int:
 def test_scontrol_requeue_mid_epoch_resumes_by_itself_in_the_same_run_bitwise_like_an_unbroken_job(
     cluster, unbroken, tmp_path
 ):
-    job = Job(cluster, tmp_path / "requeued")
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"  # an MLflow run beside the run folder: one across the requeue
+    MlflowClient(store).search_experiments()  # the store made first, as docs/training.md says for srun's ranks
+    tracker = ("--trainer.logger+=lightning.pytorch.loggers.MLFlowLogger", f"--trainer.logger.tracking_uri={store}")
+    job = Job(cluster, tmp_path / "requeued", more=tracker)
     job.held()
     requeued = time.time()
     cluster.requeue(job.id)
@@ -200,6 +205,8 @@ def test_scontrol_requeue_mid_epoch_resumes_by_itself_in_the_same_run_bitwise_li
     assert 3 <= resumed_at(job) <= 5  # the stop lands within two steps of the signal
     assert (job.run_folder() / "config.requeue1.yaml").is_file()
     assert_bitwise(job, unbroken)
+    [tracked] = mlflow_runs(store, "lightning_logs")
+    assert tracked["steps"] == list(range(STEPS)) and tracked["status"] == "FINISHED", tracked
     first_resumed = min(s["time"] for s in job.steps() if s["start"] == 1)
     print(
         f"\nrequeue -> first resumed step: {first_resumed - requeued:.1f} s, of which {released - requeued:.1f} s "

@@ -15,6 +15,7 @@ from app.callbacks.rank_watchdog import RankWatchdog
 from app.callbacks.resume_settings import ResumeSettings
 from app.callbacks.run_report import RunReport
 from app.callbacks.sync_batchnorm import AllReduceBatchNorm, SyncBatchNorm
+from app.callbacks.tracker_runs import TrackerRuns
 from app.callbacks.warmup import LRWarmup
 from app.errors import Diverged, Preempted
 
@@ -38,4 +39,5 @@ __all__ = [
     "RunReport",
     "StopOnNonFinite",
     "SyncBatchNorm",
+    "TrackerRuns",
 ]

@@ -75,6 +75,7 @@ from app.run.resume import (
     CkptPathRule,
     check_loggerless_root,
 )
+from app.run.trackers import continue_tracker_runs, name_tracker_runs, with_run_folder
 from app.strategies import register as register_strategies
 from app.strategies.horovod import HorovodStrategy
 from app.task import spec_of
@@ -200,6 +201,8 @@ class CLI(CkptPathRule, LightningCLI):
         # a logger given with another save_dir keeps it.
         root = config.trainer.default_root_dir
         loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
+        if with_run_folder(loggers, default_loggers()[0]):
+            config.trainer.logger = loggers  # a tracker alone (MLflow, W&B) gets the run folder's CSV logger first
         defaults = {d["class_path"] for d in default_loggers()}
         for logger in loggers:
             init_args = getattr(logger, "init_args", None)
@@ -235,6 +238,10 @@ class CLI(CkptPathRule, LightningCLI):
         if not config.trainer.get("fast_dev_run"):  # (fast_dev_run logs nothing: Lightning swaps the loggers out)
             self._claimed = claim_versions(loggers, continued)  # version_N made now: no other run can take it
             before_stopping(self._release_unused)  # a peer failed before the group formed: nothing left behind
+        ckpt = self._resolved or config.get("ckpt_path")
+        if ckpt and ckpt not in ("last", "best", "hpc"):  # a tracker's run goes on where the checkpoint's run logged
+            continue_tracker_runs(loggers, self._load(ckpt, bool(config.get("allow_remote_ckpt"))), ckpt)
+        name_tracker_runs(loggers, next(iter(self._claimed), None))  # a new tracker run: after its run folder
         if restarting is not None and self.subcommand == "fit":
             self._elastic_run = ElasticRunFolder(restarting, self._claimed, continued, self._elastic_ckpt)
 

@@ -122,6 +122,7 @@ DEFAULT_CALLBACKS = [
     {"class_path": "app.callbacks.RandomState"},  # generators seeded at each batch from the seed: exact resume
     {"class_path": "app.callbacks.ResumeSettings"},  # a resume's changed optimizer settings go over the restored
     {"class_path": "app.callbacks.StopOnNonFinite"},
+    {"class_path": "app.callbacks.TrackerRuns"},  # each tracker logger's run id in every checkpoint: a resume goes on
 ]
 
 
