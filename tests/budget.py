@@ -38,8 +38,8 @@ FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (
     "tests/test_slurm.py": 90,  # the cluster up and down: 29 s alone
     "tests/test_slurm_job.py": 90,  # one slow test of two cli.py runs: 39 s beside other work
     "tests/test_fork.py": 400,
-    "tests/test_fork_resume.py": 120,
-    "tests/test_trackers.py": 180,  # an MLflow server, 9 cli.py runs (ddp among them): 70 s under -n 2 (2026-11-28)  # 4 x 3 cli.py runs of a fork's ViT: 57 s alone (2026-11-28), x2
+    "tests/test_fork_resume.py": 120,  # 4 x 3 cli.py runs of a fork's ViT: 57 s alone (2026-11-28), x2
+    "tests/test_trackers.py": 180,  # an MLflow server, 9 cli.py runs (ddp among them): 70 s under -n 2 (2026-11-28)
     "tests/test_chaos.py": 300,
     "tests/test_model_parallel.py": 320,
     "tests/fashion_mnist/test_data.py": 270,
