@@ -234,6 +234,18 @@ def test_a_yaml_callbacks_list_keeps_the_default_callbacks(tmp_path):
     ]
 
 
+def test_an_error_raised_in_the_tasks_own_init_shows_the_tasks_traceback(tmp_path):
+    """A ValueError from the task's own ``__init__`` (tests/tiny.py refuses ``--model.norm=foo``) arrived inside
+    about 70 lines of jsonargparse's union error; it is Python's traceback of the task's own frames now, with its
+    own message last, and no run folder is left."""
+    result = run(cli_command("--model.norm=foo", f"--trainer.default_root_dir={tmp_path / 'runs'}"), cwd=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == "ValueError: --model.norm must be 'batch' or 'group', got 'foo'", result.stderr[-3000:]
+    assert f'File "{ROOT / "tests" / "tiny.py"}", line' in result.stderr and "jsonargparse" not in result.stderr
+    assert len(lines) < 20 and not (tmp_path / "runs").exists()
+
+
 def test_compiling_on_a_cpu_does_not_warn_of_a_missing_cuda_runtime(caplog):
     """``--model.compile=true`` on a CPU machine with a CUDA toolkit installed printed torch's "No CUDA runtime is
     found, using CUDA_HOME=..." (inductor looks for the toolkit): app/launch/library_noise.py drops that line, and only

@@ -361,3 +361,23 @@ def check_timeout(strategy) -> None:
     timeout = init_args.get("timeout") if init_args is not None and hasattr(init_args, "get") else None
     if isinstance(timeout, timedelta) and timeout.total_seconds() <= 0:
         raise UserError(f"{TIMEOUT_FLAG}={timeout}: {TIMEOUT_HINT}")
+
+
+def raised_by_a_class(err: BaseException) -> BaseException | None:
+    """The exception a class's own ``__init__`` raised while the parser built it (a task's ``ValueError``), with its
+    traceback from the first frame outside the parser on; None for any other error.
+
+    jsonargparse tries each type a value may have and reports what each one said inside an error of its own, the
+    class's exception as its ``__cause__``: about 70 lines of the parser's frames around the task's two. Raised again
+    from here, a person sees the frames of their own code and their own message, as Python shows any error."""
+    import jsonargparse
+    from lightning.pytorch import cli
+
+    cause = err.__cause__
+    if not isinstance(err, ValueError) or cause is None or cause.__traceback__ is None:
+        return None
+    parser = (str(Path(jsonargparse.__file__).parent), str(Path(cli.__file__)))
+    tb = cause.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(parser):
+        tb = tb.tb_next
+    return None if tb is None else cause.with_traceback(tb)

@@ -56,6 +56,7 @@ from app.run.arguments import (
     Parser,
     check_config_files,
     check_timeout,
+    raised_by_a_class,
     strategy_class,
     strategy_options_by_name,
     timeout_in_seconds,
@@ -116,6 +117,8 @@ class CLI(CkptPathRule, LightningCLI):
             wrapped = isinstance(err, ValueError) and latest is not None and latest is not err
             if wrapped and " ".join(str(latest).split()) in " ".join(str(err).split()):
                 raise latest from None
+            if (own := raised_by_a_class(err)) is not None and not isinstance(own, UserError):
+                raise own from None  # the task's own error and frames, not the parser's wrapping
             if isinstance(err, MisconfigurationException | ValueError) and not isinstance(err, UserError):
                 # Lightning checks some settings only when the run starts (val_check_interval against the batches)
                 config = self.config[self.subcommand] if getattr(self, "subcommand", None) else {}
