@@ -213,3 +213,34 @@ def test_under_srun_torchrun_the_first_process_is_torchruns_rank_0_whichever_tas
     assert is_first_process()
     env.setenv("RANK", "2")
     assert not is_first_process()
+
+
+@pytest.mark.parametrize(
+    ("given", "recipe", "flags"),
+    [
+        ((), ["--config", "configs/fashion_mnist.yaml"], []),
+        (("--trainer.max_epochs=5",), ["--config", "configs/fashion_mnist.yaml"], ["--trainer.max_epochs=5"]),
+        (
+            ("--trainer.max_epochs=5", "--config", "mine.yaml", "--config=more.yaml"),
+            ["--config", "mine.yaml", "--config=more.yaml"],
+            ["--trainer.max_epochs=5"],
+        ),
+    ],
+)
+def test_the_shipped_batch_script_takes_a_forks_recipe_from_its_command_line(tmp_path, given, recipe, flags):
+    """``sbatch scripts/slurm_multinode.sbatch --config my_task.yaml``: the fork's recipe in place of the example's,
+    under the multi-node preset, the other flags over both (a stand-in ``srun`` prints what it was given)."""
+    bin_folder, submit = tmp_path / "bin", tmp_path / "submit"
+    (submit / ".venv" / "bin").mkdir(parents=True)
+    (submit / ".venv" / "bin" / "activate").write_text("")
+    bin_folder.mkdir()
+    (bin_folder / "srun").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
+    (bin_folder / "srun").chmod(0o755)
+    environ = {**os.environ, "SLURM_SUBMIT_DIR": str(submit), "PATH": f"{bin_folder}:{os.environ['PATH']}"}
+    script = str(ROOT / "scripts" / "slurm_multinode.sbatch")
+    done = subprocess.run(["bash", script, *given], env=environ, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    preset = ["--config", "configs/multinode_ddp.yaml"]
+    assert done.stdout.splitlines() == ["python", "cli.py", "fit", *recipe, *preset, *flags]
+    missing = subprocess.run(["bash", script, "--config"], env=environ, capture_output=True, text=True, timeout=30)
+    assert missing.returncode != 0 and "--config needs a file" in missing.stderr
