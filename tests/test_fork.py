@@ -351,7 +351,7 @@ def test_a_run_folder_with_anything_trained_or_logged_is_kept(tmp_path, header, 
 
 def test_plot_draws_another_tasks_per_epoch_metrics(tmp_path):
     """Its per-epoch metrics get a panel of their own; a metric logged per step (train_loss) is not one."""
-    from app.run.plot import epoch_metrics, panels
+    from app.run.plot import epoch_metrics, panels, step_metrics
 
     run = tmp_path / "version_0"
     run.mkdir()
@@ -360,7 +360,37 @@ def test_plot_draws_another_tasks_per_epoch_metrics(tmp_path):
     )
     series = epoch_metrics(run)
     assert series["val_mse"] == [(0, 0.5), (1, 0.4)] and "train_loss" not in series
-    assert panels(series) == [("metrics", ("val_mse",)), ("images/s (training)", ("perf/images_per_s",))]
+    assert step_metrics(run) == ["train_loss"]
+    assert panels(series, steps=step_metrics(run)) == [
+        ("loss", ()),  # logged per step only: a panel of its steps
+        ("mse", ("val_mse",)),
+        ("images/s (training)", ("perf/images_per_s",)),
+    ]
+
+
+def test_plot_gives_each_kind_of_metric_its_scale_and_draws_step_values_per_step(tmp_path):
+    """A fork's loss and accuracy shared one axis (the accuracy flat at the top), and Lightning's ``X_step`` (a value
+    logged with on_step and on_epoch) was drawn as if per epoch: a panel per kind of metric, splits side by side,
+    the ``_step`` values faint under their epoch means."""
+    from app.run.plot import figure, panels, step_metrics
+
+    run = tmp_path / "version_0"
+    run.mkdir()
+    (run / "metrics.csv").write_text(
+        "epoch,step,loss/train_step,loss/train_epoch,loss/val,score/val\n"
+        "0,3,0.9,,,\n0,7,0.8,,,\n0,7,,0.85,0.7,0.4\n1,11,0.6,,,\n1,15,0.5,,,\n1,15,,0.55,0.5,0.6\n"
+    )
+    from app.run.plot import epoch_metrics
+
+    series = epoch_metrics(run)
+    assert sorted(series) == ["loss/train_epoch", "loss/val", "score/val"]  # no loss/train_step as if per epoch
+    assert step_metrics(run) == ["loss/train_step"]
+    layout = panels(series, steps=step_metrics(run))
+    assert layout == [("loss", ("loss/train_epoch", "loss/val")), ("score", ("score/val",))]
+    fig = figure(run)
+    loss, score = fig.axes
+    assert [line.get_label() for line in loss.lines] == ["loss/train_step (per step)", "loss/train_epoch", "loss/val"]
+    assert [line.get_label() for line in score.lines] == ["score/val"] and score.get_ylim()[1] < 1
 
 
 def test_a_named_class_that_cannot_be_imported_is_one_line_saying_where(tmp_path, monkeypatch, capsys):

@@ -4,20 +4,22 @@ next to the run.
 Reads the run's ``metrics.csv`` (written by the CSV logger), joined to those of the runs it resumed from, and
 writes ``plot.png`` in the same folder (``--out`` to choose another path). The panels are the task's
 (``TaskSpec.plot_panels``: its class is the one the run's config.yaml names, else ``cli.py``'s default task), then one
-of its per-epoch metrics that no panel names, then training samples/s from 0; a task whose class cannot be imported
-gets that generic plot of whatever metrics.csv holds. A value logged per step beside its epoch mean (``X`` and
-``X_epoch``, the example's ``train/loss``) is drawn faintly under the epoch means. Epochs are numbered as the console
-and the checkpoints number them (from 0); epoch e's per-step values spread over e - 0.5 to e + 0.5. A ``cli.py test``
-of one of the run's checkpoints (a later ``lightning_logs/version_N`` whose config names it) is drawn as a dashed line
-with its score on the panel of the same metric (``test/loss`` on ``val/loss``'s). The title says which data the run
-trained on (``TaskSpec.data_source``), in red when it was a stand-in (``TaskSpec.stand_in_data``). Needs matplotlib:
-``pip install -e ".[plot]"``.
+per kind of metric that no panel names (:func:`family`: ``loss/train`` and ``val/loss`` together, an accuracy on its
+own scale), then training samples/s from 0; a task whose class cannot be imported gets that generic plot of whatever
+metrics.csv holds. A value logged per step (``X`` beside ``X_epoch``, the example's ``train/loss``; Lightning's
+``X_step``; any value logged more than once an epoch) is drawn faintly on its kind's panel, under the epoch means.
+Epochs are numbered as the console and the checkpoints number them (from 0); epoch e's per-step values spread over
+e - 0.5 to e + 0.5. A ``cli.py test`` of one of the run's checkpoints (a later ``lightning_logs/version_N`` whose
+config names it) is drawn as a dashed line with its score on the panel of the same metric (``test/loss`` on
+``val/loss``'s). The title says which data the run trained on (``TaskSpec.data_source``), in red when it was a
+stand-in (``TaskSpec.stand_in_data``). Needs matplotlib: ``pip install -e ".[plot]"``.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import re
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -85,6 +87,37 @@ def run_rows(run_dir: Path) -> list[tuple[Path, dict[str, str]]]:
     return rows
 
 
+SPLIT_WORDS = ("train", "training", "val", "valid", "validation", "test")
+
+
+def family(name: str) -> str:
+    """What a metric measures, its split and Lightning's ``_epoch``/``_step`` suffix left out: ``train/loss_epoch``,
+    ``val/loss``, ``loss/train`` and ``val_loss`` are ``loss``; ``score/val`` is ``score``. One family, one scale:
+    a panel each (a loss and an accuracy on one axis flattened one of them)."""
+    parts = re.split(r"[/_]", name.removesuffix("_epoch").removesuffix("_step"))
+    return "/".join(part for part in parts if part.lower() not in SPLIT_WORDS) or name
+
+
+def step_metrics(run_dir: Path) -> list[str]:
+    """The metrics logged per step, as :func:`step_series` draws them: logged more than once in an epoch of one run,
+    Lightning's ``X_step`` beside ``X_epoch``, or ``X`` beside ``X_epoch`` (the example's ``train/loss``)."""
+    counts: dict[tuple[str, Path, int], int] = defaultdict(int)
+    names: set[str] = set()
+    for metrics_csv, row in run_rows(run_dir):
+        if not row.get("epoch"):
+            continue
+        epoch = int(_number(metrics_csv, row, "epoch"))
+        for name, value in row.items():
+            if not value or name in ("epoch", "step") or name.startswith(("lr-", "perf/")):
+                continue
+            if f"{name}_epoch" in row or (name.endswith("_step") and f"{name.removesuffix('_step')}_epoch" in row):
+                names.add(name)
+            counts[(name, metrics_csv, epoch)] += 1
+            if counts[(name, metrics_csv, epoch)] > 1:
+                names.add(name)
+    return sorted(names)
+
+
 def epoch_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     """``{metric: [(epoch, value), ...]}`` for every per-epoch metric of a run (and the runs it resumed from): the
     metrics a task logs at most once per epoch.
@@ -102,6 +135,8 @@ def epoch_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
             # (a value logged per step and per epoch, "X" beside "X_epoch": its steps are drawn under the epochs')
             if not value or name in ("epoch", "step") or f"{name}_epoch" in row or name.startswith("lr-"):
                 continue
+            if name.endswith("_step") and f"{name.removesuffix('_step')}_epoch" in row:
+                continue  # Lightning's per-step half of a value logged per step and per epoch
             if (metrics_csv, epoch) in seen[name]:
                 per_step.add(name)  # two values in one epoch of one run: logged per step
             seen[name].add((metrics_csv, epoch))
@@ -109,15 +144,23 @@ def epoch_metrics(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {name: sorted(values.items()) for name, values in series.items() if name not in per_step}
 
 
-def panels(series: dict[str, list], spec: TaskSpec | None = None) -> list[tuple[str, tuple[str, ...]]]:
-    """The task's panels that have data (``spec.plot_panels``), then one panel of its other per-epoch metrics, then
-    the training speed."""
+def panels(
+    series: dict[str, list], spec: TaskSpec | None = None, steps: list[str] = ()
+) -> list[tuple[str, tuple[str, ...]]]:
+    """The task's panels that have data (``spec.plot_panels``), then one panel per :func:`family` of its other
+    metrics (per epoch, or per step only: ``steps``), then the training speed."""
     declared = [*(spec.plot_panels if spec else ()), SPEED]
     known = [(title, tuple(names)) for title, names in declared if any(series.get(n) for n in names)]
     shown = {n for _, names in declared for n in names}
-    others = tuple(sorted(n for n in series if n not in shown and not n.startswith("perf/") and series[n]))
+    shown_families = {family(n) for n in shown}
+    others: dict[str, list[str]] = defaultdict(list)
+    for name in sorted(n for n in series if n not in shown and not n.startswith("perf/") and series[n]):
+        others[family(name)].append(name)
+    for name in steps:  # a metric logged per step only still gets its panel, its steps drawn there
+        if family(name) not in others and family(name) not in shown_families:
+            others[family(name)] = []
     speed = [panel for panel in known if panel[0] == SPEED[0]]
-    return [p for p in known if p not in speed] + ([("metrics", others)] if others else []) + speed
+    return [p for p in known if p not in speed] + [(f, tuple(names)) for f, names in sorted(others.items())] + speed
 
 
 def step_series(run_dir: Path, name: str) -> list[tuple[float, float]]:
@@ -235,17 +278,19 @@ def figure(run_dir: str | Path, model: str | type | None = None):
     _refuse_a_test_run(run_dir)
     series = epoch_metrics(run_dir)
     spec = task_spec(run_dir, model)
-    layout = panels(series, spec)
+    steps = step_metrics(run_dir)
+    layout = panels(series, spec, steps)
     if not layout:
         raise UserError(f"{metrics_csv}: no per-epoch metrics yet (has an epoch finished?)")
     tested = tests_of(run_dir)
     fig, axes = plt.subplots(1, len(layout), figsize=(5 * len(layout), 3.8), constrained_layout=True, squeeze=False)
     axes = list(axes[0])
     for ax, (title, names) in zip(axes, layout, strict=True):
-        for each_step in (name.removesuffix("_epoch") for name in names if name.endswith("_epoch")):
-            if steps := step_series(run_dir, each_step):
+        families = {family(name) for name in names} or {title}
+        for each_step in (name for name in steps if family(name) in families):
+            if points := step_series(run_dir, each_step):
                 faint = {"color": "0.6", "linewidth": 0.8, "alpha": 0.6}
-                ax.plot(*zip(*steps, strict=True), **faint, label=f"{each_step} (per step)")
+                ax.plot(*zip(*points, strict=True), **faint, label=f"{each_step} (per step)")
         for name in names:
             if series.get(name):
                 ax.plot(*zip(*series[name], strict=True), marker="o", label=name)
