@@ -39,11 +39,31 @@ class PngFolder(Dataset):
     def __getitem__(self, index):
         path, label = self.files[index]
         pixels = torch.from_numpy(np.asarray(Image.open(path), dtype=np.float32) / 255.0)
-        return {"pixels": pixels[None], "target": label, "name": path.stem}
+        return {"pixels": pixels[None], "target": label}
+
+
+class PngFiles(Dataset):
+    """The PNG files of one folder (``--data.predict_dir``), unlabelled, named by file."""
+
+    def __init__(self, folder):
+        self.files = sorted(Path(folder).glob("*.png"))
+        if not self.files:
+            raise ValueError(f"--data.predict_dir={folder}: no PNG files there")
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, index):
+        pixels = torch.from_numpy(np.asarray(Image.open(self.files[index]), dtype=np.float32) / 255.0)
+        return {"pixels": pixels[None]}
 
 
 class PngData(LightningDataModule):
-    def __init__(self, folder: str = "pngs", batch_size: int = 8):
+    def __init__(self, folder: str = "pngs", batch_size: int = 8, predict_dir: str | None = None):
+        """
+        Args:
+            predict_dir: ``predict`` on this folder's PNG files (else on the validation images).
+        """
         super().__init__()
         self.save_hyperparameters()
 
@@ -51,14 +71,21 @@ class PngData(LightningDataModule):
         self.train_set = PngFolder(Path(self.hparams.folder) / "train")
         self.val_set = PngFolder(Path(self.hparams.folder) / "val")
         self.class_names = self.train_set.classes
+        if stage == "predict" and self.hparams.predict_dir:
+            self.predict_set = PngFiles(self.hparams.predict_dir)
+            self.predict_names = [f.name for f in self.predict_set.files]  # predictions.csv's name column
+        else:
+            self.predict_set = self.val_set
+            self.predict_names = [f.name for f, _ in self.val_set.files]
+
+    def predict_dataloader(self):
+        return make_loader(self.trainer, self.predict_set, train=False, batch_size=self.hparams.batch_size)
 
     def train_dataloader(self):
         return make_loader(self.trainer, self.train_set, train=True, batch_size=self.hparams.batch_size, seed=3)
 
     def val_dataloader(self):
         return make_loader(self.trainer, self.val_set, train=False, batch_size=self.hparams.batch_size)
-
-    predict_dataloader = val_dataloader
 
 
 class TinyViT(LightningModule):
@@ -128,6 +155,45 @@ class TinyViT(LightningModule):
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 '''
+
+# vitpkg/export.py: the fork's own `cli.py export` (docs/fork.md, "Export and predict in a fork")
+EXPORT = '''
+"""python train.py export --ckpt_path CKPT [--out model.pt2]: the trained ViT as a torch.export program."""
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from app.checkpoints.io import load_checkpoint
+from app.errors import UserError
+from vitpkg import TinyViT
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(prog="export")
+    parser.add_argument("--ckpt_path", required=True)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    out = Path(args.out or Path(args.ckpt_path).parent.parent / "model.pt2")
+    if out.exists():
+        raise UserError(f"--out {out} already exists; choose another path")
+    checkpoint = load_checkpoint(args.ckpt_path)  # weights_only: plain data
+    network = {k: v for k, v in checkpoint["hyper_parameters"].items() if not k.startswith("_")}
+    model = TinyViT(**network).eval()
+    model.load_state_dict(checkpoint["state_dict"])
+    program = torch.export.export(model, (torch.zeros(2, 1, 8, 8),), dynamic_shapes=({0: torch.export.Dim("n")},))
+    torch.export.save(program, out, extra_files={"vit.json": json.dumps(network)})  # how it was built
+    print(f"wrote {out}")
+'''
+
+# train.py: the fork's entry script, its task the default and its export a subcommand
+ENTRY = """
+from app.run.cli import main
+
+if __name__ == "__main__":
+    main(model="vitpkg.TinyViT", data="vitpkg.PngData", tools={"export": ("vitpkg.export", "the ViT as a .pt2")})
+"""
 
 
 def write_pngs(folder, per_class: int = 16, classes: int = 3, val_per_class: int = 4) -> None:
