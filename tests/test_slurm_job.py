@@ -4,6 +4,7 @@ against the trainer's, the line after a stop and the requeue it asks for (app/la
 tests/test_slurm_training.py."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -215,11 +216,16 @@ def test_under_srun_torchrun_the_first_process_is_torchruns_rank_0_whichever_tas
     assert not is_first_process()
 
 
+SHIPPED_SCRIPT = ROOT / "scripts" / "slurm_multinode.sbatch"
+# the recipe the script runs when given none: the task's own (a fork's script names its own)
+DEFAULT_RECIPE = ["--config", re.search(r"recipe=\(--config (\S+)\)", SHIPPED_SCRIPT.read_text())[1]]
+
+
 @pytest.mark.parametrize(
     ("given", "recipe", "flags"),
     [
-        ((), ["--config", "configs/fashion_mnist.yaml"], []),
-        (("--trainer.max_epochs=5",), ["--config", "configs/fashion_mnist.yaml"], ["--trainer.max_epochs=5"]),
+        ((), DEFAULT_RECIPE, []),
+        (("--trainer.max_epochs=5",), DEFAULT_RECIPE, ["--trainer.max_epochs=5"]),
         (
             ("--trainer.max_epochs=5", "--config", "mine.yaml", "--config=more.yaml"),
             ["--config", "mine.yaml", "--config=more.yaml"],
@@ -237,7 +243,7 @@ def test_the_shipped_batch_script_takes_a_forks_recipe_from_its_command_line(tmp
     (bin_folder / "srun").write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
     (bin_folder / "srun").chmod(0o755)
     environ = {**os.environ, "SLURM_SUBMIT_DIR": str(submit), "PATH": f"{bin_folder}:{os.environ['PATH']}"}
-    script = str(ROOT / "scripts" / "slurm_multinode.sbatch")
+    script = str(SHIPPED_SCRIPT)
     done = subprocess.run(["bash", script, *given], env=environ, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     preset = ["--config", "configs/multinode_ddp.yaml"]
