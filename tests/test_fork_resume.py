@@ -53,8 +53,7 @@ def _differing(a: Path, b: Path) -> list[str]:
     ("schedule_from", "devices"),
     [
         ("estimated_stepping_batches", 1),
-        ("estimated_stepping_batches", 2),
-        ("len_train_dataloader", 1),
+        ("len_train_dataloader", 2),
         ("on_fit_start", 1),
     ],
 )
