@@ -325,9 +325,13 @@ def test_a_rank_that_cannot_reach_the_groups_store_says_what_it_waits_for_once(l
     held.bind(("127.0.0.1", port))
     watcher = formation.FormationWatch("127.0.0.1", port, world_size=2, rank=1)  # a rank's own: it says
     watcher.start()
+    said: list[str] = []
     try:
-        time.sleep(2.0)  # four times the notice's wait
-        before = capsys.readouterr().err
+        # the notice once its wait is over (after the first try to connect, which takes a second, more under load);
+        # then twice that try's time more, in which no second notice may come
+        assert wait_for(lambda: said.append(capsys.readouterr().err) or "".join(said).strip(), timeout=15)
+        time.sleep(2.0)
+        before = "".join(said) + capsys.readouterr().err
         held.close()
         store = host_store(port)  # rank 0 opens it at last
         assert wait_for(lambda: store.check([f"{formation.BEAT}1"]), timeout=5)

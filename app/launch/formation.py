@@ -328,9 +328,10 @@ class FormationWatch(threading.Thread):
             if store is None:
                 store = client(self.address, self.port, timeout=POLL)
                 if store is None:
-                    if waited_silently and now - started >= UNREACHED_NOTICE:
+                    waited = time.monotonic() - started  # after the try, which takes up to POLL (more under load)
+                    if waited_silently and waited >= UNREACHED_NOTICE:
                         waited_silently = False
-                        self._say_unreached(now - started)
+                        self._say_unreached(waited)
                     self._halt.wait(POLL / 2)
                     continue
                 waited_silently = False
