@@ -328,8 +328,7 @@ class FormationWatch(threading.Thread):
             if store is None:
                 store = client(self.address, self.port, timeout=POLL)
                 if store is None:
-                    waited = time.monotonic() - started  # after the try, which takes up to POLL (more under load)
-                    if waited_silently and waited >= UNREACHED_NOTICE:
+                    if waited_silently and (waited := time.monotonic() - started) >= UNREACHED_NOTICE:  # after the try
                         waited_silently = False
                         self._say_unreached(waited)
                     self._halt.wait(POLL / 2)
