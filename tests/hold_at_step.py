@@ -20,15 +20,22 @@ def this_start() -> int:
 
 
 class HoldAtStep(Callback):
-    def __init__(self, folder: str, step: int = 3, seconds: float = 240.0, rank: int = -1) -> None:
+    def __init__(self, folder: str, step: int = 3, seconds: float = 240.0, rank: int = -1, linger: float = 0.0) -> None:
         """
         Args:
             folder: Where ``held`` and ``steps.jsonl`` are written (rank 0).
             step: The optimizer step after which the ranks hold, in the job's first start only.
             seconds: The longest hold.
             rank: Only this global rank holds (-1: every rank).
+            linger: Seconds rank 0 takes to leave after a stop, before its loggers end (a slow machine, a logger
+                that uploads): a requeue that SLURM carries out meanwhile stops every process of the job.
         """
         self.folder, self.step, self.seconds, self.rank = Path(folder), step, seconds, rank
+        self.linger = linger
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        if trainer.is_global_zero and self.linger:
+            time.sleep(self.linger)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         if trainer.is_global_zero:

@@ -40,7 +40,7 @@ from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import MPI_ENV
 from tests.record_samples import read_records
 from tests.tiny import LR, TinyClassifier
-from tests.trackers import mlflow_runs
+from tests.trackers import mlflow_runs, wandb_segments
 
 SAMPLES, BATCH = 48, 4  # a training set of 48, 4 per device: 6 steps an epoch on 2 devices
 EPOCHS = 2
@@ -123,7 +123,7 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     """Two torchrun agents (nodes); after step 3 one node's agent and worker are SIGKILLed. The survivor's collective
     fails, it saves the state after step 3, torchrun restarts it at world size 1, and it resumes from that state with
     accumulate_grad_batches 2 (the same global batch), in the same run folder. An MLflow run (a SQLite store) logs
-    beside the run folder: the restart goes on in it, each step logged once."""
+    beside the run folder, and W&B offline: the restart goes on in each, each step logged once."""
     root, records = tmp_path / "runs", tmp_path / "records"
     port = find_free_network_port()
     lose = {"class_path": "tests.lose_node.LoseNodeAtStep", "init_args": {"step": 3}}
@@ -131,6 +131,9 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     args.append("--trainer.callbacks+=" + json.dumps(SURVIVOR_COMPUTES))
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     args += ["--trainer.logger+=lightning.pytorch.loggers.MLFlowLogger", f"--trainer.logger.tracking_uri={store}"]
+    files = tmp_path / "wandb"  # and a W&B run, offline
+    args += ["--trainer.logger+=lightning.pytorch.loggers.WandbLogger", "--trainer.logger.offline=true"]
+    args += [f"--trainer.logger.save_dir={files}"]
 
     survivor, lost = run_two_nodes(tmp_path, port, args)
     output, other = (tmp_path / "survivor.log").read_text(), (tmp_path / "lost.log").read_text()
@@ -171,6 +174,9 @@ def test_a_lost_node_mid_epoch_leaves_the_survivor_training_alone_each_sample_on
     assert marker["rdzv_id"] == "elastic-test" and marker["finished"] is True and len(marker["agents"]) == 1
     [tracked] = mlflow_runs(store, "lightning_logs")  # one MLflow run across the restart, each step once
     assert tracked["steps"] == list(range(final["global_step"])) and tracked["status"] == "FINISHED", tracked
+    first, restarted = wandb_segments(files)  # one W&B run: a segment per start, each step in one of them once
+    assert first["id"] == restarted["id"], (first, restarted)
+    assert first["steps"] + restarted["steps"] == tracked["steps"], (first, restarted)
 
     kill = max(r["time"] for r in recorded if r["world"] == 2 and r["rank"] == 1)
     first_after = min(r["time"] for r in recorded if r["world"] == 1)

@@ -28,7 +28,7 @@ from mlflow.tracking import MlflowClient
 
 from tests.conftest import ROOT
 from tests.slurm import SlurmCluster, slurm_available
-from tests.trackers import mlflow_runs
+from tests.trackers import mlflow_runs, wandb_segments
 
 # one worker, one cluster; a test waits for jobs, requeues and (the lost node's) its reference job: more than 300 s
 # under load
@@ -86,15 +86,17 @@ def cpu_script(folder: Path, drop: tuple[str, ...] = ()) -> Path:
 
 
 class Job:
-    def __init__(self, cluster: SlurmCluster, folder: Path, *sbatch: str, hold: bool = True, drop=(), more=()):
+    def __init__(self, cluster: SlurmCluster, folder: Path, *sbatch: str, hold: bool | dict = True, drop=(), more=()):
         """The CPU copy of the shipped script, submitted from the repository (as its ``cd $SLURM_SUBMIT_DIR``
-        expects), writing its runs and its output file into ``folder``."""
+        expects), writing its runs and its output file into ``folder``; ``hold``: HoldAtStep's arguments besides
+        its folder, or False for none."""
         self.cluster, self.folder = cluster, folder
         folder.mkdir(parents=True, exist_ok=True)
         self.output = folder / "slurm.out"
         args = [*RUN, f"--trainer.default_root_dir={folder / 'runs'}", *more]
         if hold:
-            spec = {"class_path": "tests.hold_at_step.HoldAtStep", "init_args": {"folder": str(folder)}}
+            hold_args = {"folder": str(folder), **(hold if isinstance(hold, dict) else {})}
+            spec = {"class_path": "tests.hold_at_step.HoldAtStep", "init_args": hold_args}
             args.append("--trainer.callbacks+=" + json.dumps(spec))
         script = cpu_script(folder, drop)
         # as a user types it: sbatch [options] script [the script's arguments: cli.py's flags]
@@ -217,7 +219,12 @@ def test_scontrol_requeue_mid_epoch_resumes_by_itself_in_the_same_run_bitwise_li
 def test_the_time_limit_warning_signal_saves_requeues_and_resumes_bitwise(cluster, unbroken, tmp_path):
     """``#SBATCH --signal=USR1@N`` (the shipped script has it): N s before the time limit each task gets SIGUSR1;
     the run stops after the step, saves, and requeues the job itself."""
-    job = Job(cluster, tmp_path / "limit", "--time=2", "--signal=USR1@100")  # (SLURM's shortest limit: 1 minute)
+    files = tmp_path / "wandb"  # a W&B run beside the run folder, offline: one across the requeue, each step once
+    tracker = ("--trainer.logger+=lightning.pytorch.loggers.WandbLogger", "--trainer.logger.offline=true")
+    tracker += (f"--trainer.logger.save_dir={files}",)
+    # rank 0 lingers 3 s after its save, before its loggers end (a slow machine): SLURM carries the requeue out
+    # meanwhile, and stops W&B's service
+    job = Job(cluster, tmp_path / "limit", "--time=2", "--signal=USR1@100", hold={"linger": 3.0}, more=tracker)
     # the warning comes 20-50 s after the start: on a busy machine that may be before the first step (it is kept,
     # and the run stops after its first step) or while the ranks hold at step 3
     deadline = time.monotonic() + 240
@@ -230,8 +237,13 @@ def test_the_time_limit_warning_signal_saves_requeues_and_resumes_bitwise(cluste
     text = job.text()
     assert "received SIGUSR1 (SLURM's warning before the time limit)" in text, text[-4000:]
     assert f"Requeued SLURM job {job.id} (before its time limit): its next start resumes from it by itself" in text
-    assert 1 <= resumed_at(job) <= 5
+    step = resumed_at(job)
+    assert 1 <= step <= 5
     assert_bitwise(job, unbroken)
+    # the run ended its W&B run before the requeue stopped every process of the job, W&B's service too
+    first, second = wandb_segments(files)
+    assert first["id"] == second["id"], (first, second)
+    assert first["steps"] == list(range(step)) and second["steps"] == list(range(step, STEPS)), (first, second)
 
 
 def test_the_warning_signal_while_the_job_still_starts_is_kept_and_acted_on_after_the_first_step(

@@ -43,6 +43,7 @@ from typing_extensions import override
 
 from app.callbacks.progress import console_print, live_bar_console
 from app.callbacks.stop_plan import stop_plan
+from app.callbacks.tracker_runs import end_tracker_runs
 from app.errors import Preempted
 from app.launch.early_signals import catch_early_signals, take_early_signals
 from app.launch.launcher import SLURM_WARNING_SIGNAL, slurm_job
@@ -80,6 +81,8 @@ def _how_to_continue(trainer, signum: int) -> str:
         return "torchrun resumes from it when it restarts the job; after the job ended, the same command continues it"
     job = slurm_job()
     if job is not None and trainer.is_global_zero:  # one rank asks SLURM, once the state is saved
+        if signum == SLURM_WARNING_SIGNAL:  # it reached the ranks alone (wandb-core ignores it); the requeue will not
+            end_tracker_runs(trainer, exit_code=128 + signum)
         return after_stop(job, signum)
     return "Continue with the same command plus --ckpt_path last"
 

@@ -24,13 +24,17 @@ from __future__ import annotations
 from lightning.pytorch import Callback
 from typing_extensions import override
 
+from app.callbacks.rank_watchdog import EXIT_CODE
+from app.callbacks.stop_plan import stop_plan
 from app.task import import_class
+
+WANDB = "lightning.pytorch.loggers.WandbLogger"
 
 # logger class -> (the argument that names the tracker run to continue, the argument that names a new run).
 # (Lightning's WandbLogger passes wandb's resume="allow" itself: an id continues that run.)
 RUN_ARGUMENTS: dict[str, tuple[str, str]] = {
     "lightning.pytorch.loggers.MLFlowLogger": ("run_id", "run_name"),
-    "lightning.pytorch.loggers.WandbLogger": ("id", "name"),
+    WANDB: ("id", "name"),
 }
 
 
@@ -78,10 +82,23 @@ class TrackerRuns(Callback):
                 if (found := run_id_of(logger)) is not None:
                     runs.setdefault(found[0], []).append(found[1])
         self._runs = trainer.strategy.broadcast(runs, src=0)
+        if WANDB in runs:  # a rank that lost a peer is ended by the rank watchdog (os._exit), which skips W&B's exit
+            stop_plan(trainer).before_exit.append(lambda: end_tracker_runs(trainer, exit_code=EXIT_CODE))
 
     @override
     def state_dict(self) -> dict:
         return {"runs": dict(self._runs)} if self._runs else {}
+
+
+def end_tracker_runs(trainer, exit_code: int) -> None:
+    """End this rank's W&B runs now, with ``exit_code``: before the job asks SLURM for its requeue. The requeue stops
+    every process of the job, W&B's own service (``wandb-core``, which rank 0's logger talks to) too, and killed it
+    drops the records it has not written out yet (a ``.wandb`` file is written in 32 KiB blocks). Ended first, the
+    start's offline segment is whole; the requeued start continues the run. MLflow's client writes each call at once:
+    nothing to do."""
+    for logger in trainer.loggers:
+        if _kind_of_class(type(logger)) == WANDB:
+            logger.experiment.finish(exit_code=exit_code)
 
 
 def saved_tracker_runs(checkpoint: dict) -> dict[str, list[str | None]]:
