@@ -23,8 +23,6 @@ that differs declares them the same way:
   of a strategy that starts its own ranks: ``ddp_spawn``);
 - ``starts_own_workers``: its ranks are not the processes a launcher started (``ddp_spawn``'s spawned ranks, ``dp``'s
   threads of one process), so they cannot run under torchrun or mpirun;
-- ``sync_batchnorm_layer``: the synchronized BatchNorm layer its backend needs, as ``(class, description)``
-  (``horovod``: ``horovod.torch.SyncBatchNorm``); default None: torch's, by device (app/callbacks/sync_batchnorm.py);
 - ``refusals``: the template's features it cannot serve, each with one line that says what to do instead
   (``"sync_batchnorm"``, ``"comm_hook"``); by default a strategy that is not Lightning's ``DDPStrategy`` refuses
   ``"comm_hook"`` (a DDP communication hook needs DDP's wrapper).
@@ -50,12 +48,11 @@ class Parallelism(Protocol):
     sharded: bool
     label: str
     starts_own_workers: bool
-    sync_batchnorm_layer: tuple[type, str] | None
     refusals: Mapping[str, str]
 
 
 FIELDS = ("devices_per_process", "stages", "data_parallel_size", "sharded")
-DEFAULTED = ("label", "starts_own_workers", "sync_batchnorm_layer", "refusals")
+DEFAULTED = ("label", "starts_own_workers", "refusals")
 COMM_HOOK_ELSEWHERE = "use --trainer.strategy=ddp to compress what the processes exchange"
 
 
@@ -69,7 +66,6 @@ class DataParallel:
     sharded: bool = False
     label: str = ""
     starts_own_workers: bool = False
-    sync_batchnorm_layer: tuple[type, str] | None = None
     refusals: Mapping[str, str] = field(default_factory=dict)
 
 

@@ -7,8 +7,8 @@ Both mechanisms run in the same 2 processes, one after the other in rotating ord
 copy each with the same start weights and batches:
 
 - ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (25 MiB buckets, its default, overlapping backward);
-- ``horovod fused (N MiB)``: :class:`app.strategies.reductions.GradientAllreduce` as the horovod strategy's mpi backend
-uses   it, with fusion buckets of ``--fusion-mb`` (``--trainer.strategy.fusion_mb``), the first of at most 1 MiB (as
+- ``horovod fused (N MiB)``: :class:`app.strategies.reductions.GradientAllreduce` as the horovod strategy uses
+  it, with fusion buckets of ``--fusion-mb`` (``--trainer.strategy.fusion_mb``), the first of at most 1 MiB (as
   the strategy's, and DDP's), started during backward;
 - ``horovod fused (N MiB, one size)``: the same for each size of ``--one-size``, with a first bucket as large as
   the others (the strategy before its first bucket was small);
@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
                 runs[variant] = (nn.parallel.DistributedDataParallel(model), None)
             else:
                 fusion, first = (None if mb is None else int(mb * 2**20) for mb in sizes)
-                sync = GradientAllreduce(params, "mpi", world, fusion_bytes=fusion, first_bucket_bytes=first)
+                sync = GradientAllreduce(params, world, fusion_bytes=fusion, first_bucket_bytes=first)
                 runs[variant] = (model, sync)
         optimizers = {v: torch.optim.SGD(m.parameters(), lr=0.01) for v, (m, _) in runs.items()}
         times: dict[str, list[float]] = {v: [] for v in names}

@@ -85,7 +85,7 @@ def main(out_dir: Path) -> None:
         trainer = Trainer(
             accelerator="cpu",
             devices=1,  # per process: mpirun started the ranks
-            strategy=HorovodStrategy(backend="mpi", **strategy_args),
+            strategy=HorovodStrategy(**strategy_args),
             precision="64-true",
             max_steps=STEPS,
             accumulate_grad_batches=variant.get("accumulate", 1),

@@ -68,7 +68,7 @@ def test_horovod_ranks_each_given_a_gpu_of_their_own_train_on_it(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=600, env={**os.environ, **MPI_ENV},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    assert re.search(r"horovod strategy: backend=\w+, 2 ranks", result.stdout + result.stderr)
+    assert re.search(r"horovod strategy: 2 ranks", result.stdout + result.stderr)
     assert (tmp_path / "runs" / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt").is_file()
 
 

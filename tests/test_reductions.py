@@ -208,9 +208,9 @@ def test_the_default_buckets_start_the_first_allreduce_early_in_backward():
             sync.remove()
             return ready
 
-        default = ready_at_each_start(GradientAllreduce(params, "mpi", world_size=1))
+        default = ready_at_each_start(GradientAllreduce(params, world_size=1))
         assert len(default) == 3 and default[0] <= 4 and default[1] < len(params)  # fc, then layer4, then the rest
-        old = ready_at_each_start(GradientAllreduce(params, "mpi", 1, fusion_bytes=64 * 2**20, first_bucket_bytes=None))
+        old = ready_at_each_start(GradientAllreduce(params, 1, fusion_bytes=64 * 2**20, first_bucket_bytes=None))
         assert old == [len(params)]  # one bucket, started after the last gradient
     finally:
         if own_group:
@@ -221,7 +221,7 @@ def test_adasum_needs_a_power_of_two_number_of_ranks():
     from lightning.pytorch import Trainer
 
     with pytest.raises(UserError, match=r"op=adasum .* power-of-two .* this run has 3: use 2 or 4 ranks"):
-        Trainer(accelerator="cpu", devices=3, strategy=HorovodStrategy(backend="mpi", op="adasum"), logger=False)
+        Trainer(accelerator="cpu", devices=3, strategy=HorovodStrategy(op="adasum"), logger=False)
 
 
 @pytest.mark.parametrize(
@@ -234,7 +234,7 @@ def test_adasum_needs_a_power_of_two_number_of_ranks():
 )
 def test_reduction_options_are_checked(kwargs, flag):
     with pytest.raises(UserError, match=flag):
-        HorovodStrategy(backend="mpi", **kwargs)
+        HorovodStrategy(**kwargs)
 
 
 # ------------------------------------------------------------------------------------- DDP communication hooks
@@ -310,7 +310,7 @@ def test_reduced_gradients_are_bucket_views_and_right_either_way_an_optimizer_ze
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
         params = list(net.parameters())
-        sync = GradientAllreduce(params, "mpi", world_size=2, fusion_bytes=64)  # average over "2": grads halved
+        sync = GradientAllreduce(params, world_size=2, fusion_bytes=64)  # average over "2": grads halved
         optimizer = torch.optim.SGD(params, lr=0.1)
         for _ in range(3):
             x = torch.randn(5, 3)
@@ -346,7 +346,7 @@ def test_channels_last_gradients_keep_their_parameters_strides(compression):
         torch.manual_seed(0)
         net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
         params = list(net.parameters())
-        sync = GradientAllreduce(params, "mpi", world_size=2, compression=compression)
+        sync = GradientAllreduce(params, world_size=2, compression=compression)
         x = torch.randn(2, 3, 9, 9).contiguous(memory_format=torch.channels_last)
         expected = torch.autograd.grad(net(x).square().sum(), params)
         net(x).square().sum().backward()

@@ -23,7 +23,6 @@ from app.errors import UserError
 from app.run.checks import NEEDS
 from app.strategies import DataParallelStrategy, HorovodStrategy
 from app.strategies.dp import combine_outputs, compiled_modules, in_context, split_batch
-from app.strategies.horovod import horovod_available
 from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import (
     CASES,
@@ -35,7 +34,6 @@ from tests.parity import (
     VARIANT_CASES,
     check_steps,
     relative_error,
-    run_parity,
 )
 from tests.parity_run import DTYPES
 from tests.tiny import TinyClassifier, TinyData
@@ -289,21 +287,6 @@ def test_horovod_multi_node_needs_a_launcher():
         Trainer(strategy="horovod", accelerator="cpu", devices=2, num_nodes=2, logger=False)
 
 
-@pytest.mark.skipif(horovod_available(), reason="checks the message given when horovod is NOT importable")
-def test_horovod_backend_without_horovod_says_why():
-    with pytest.raises(UserError, match="backend=horovod needs the horovod package"):
-        HorovodStrategy(backend="horovod")
-    assert HorovodStrategy().backend == "mpi"
-
-
-@pytest.mark.skipif(not horovod_available(), reason="horovod is not importable (no release builds against torch>=2.1)")
-@pytest.mark.slow
-def test_horovod_backend_trains_like_one_device(tmp_path):
-    reference = run_parity(tmp_path, "reference", *REFERENCE)
-    result = run_parity(tmp_path, "hvd", *CASES["horovod_self_launched"], mpirun=2)
-    assert relative_error(result, reference) < TOLERANCE
-
-
 # ------------------------------------------------------------------------------------------------ dp pieces
 def test_dp_replica_threads_get_the_precision_context_back():
     """Autocast is thread-local: a step run in another thread (a dp replica on a GPU) computes in float32 unless
@@ -394,7 +377,6 @@ def test_each_strategy_states_its_parallelism_or_is_read_as_plain_data_parallel(
     for plain in (DDPStrategy(), SingleDeviceStrategy(torch.device("cpu")), HorovodStrategy()):
         assert layout(plain) == (1, 1, plain.world_size, False)
         assert devices_per_batch(plain) == 1 and not parallelism(plain).starts_own_workers
-        assert parallelism(plain).sync_batchnorm_layer is None  # (horovod's mpi backend here: torch's layer)
 
     # what the callbacks ask instead of looking at the strategy's class
     assert parallelism(DDPStrategy()).refusals == {} and parallelism(FSDPStrategy()).refusals.keys() == {"comm_hook"}

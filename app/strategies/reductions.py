@@ -1,4 +1,4 @@
-"""How the horovod strategy combines the ranks' work: Horovod's reductions, over ``torch.distributed`` or Horovod.
+"""How the horovod strategy combines the ranks' work: Horovod's reductions, over ``torch.distributed``.
 
 - :class:`GradientAllreduce`: average or sum of the gradients, as ``hvd.DistributedOptimizer`` does it. Gradients
   are packed into fusion buckets (Horovod's Tensor Fusion, ``HOROVOD_FUSION_THRESHOLD``) in one fixed order, and a
@@ -8,8 +8,7 @@
 - Compression: what travels is cast to a 16-bit wire dtype (``fp16``, ``bf16``), and computed on in the
   gradient's own dtype.
 
-Both backends of the horovod strategy use this module: ``mpi`` sends with ``torch.distributed``, ``horovod``
-with ``horovod.torch``. The tests check it against their own implementation of the formulas.
+The tests check it against their own implementation of the formulas.
 """
 
 from __future__ import annotations
@@ -143,7 +142,6 @@ class GradientAllreduce:
     def __init__(
         self,
         params: list[Tensor],
-        backend: str,
         world_size: int,
         op: ReduceOp = "average",
         compression: Compression = "none",
@@ -158,7 +156,6 @@ class GradientAllreduce:
         runs = fusion_buckets(order, fusion_bytes, first_bucket_bytes)
         self.buckets = [_Bucket([order[i] for i in run], wire_dtype) for run in runs]
         self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
-        self.backend = backend
         self.prescale = 1.0 / predivide
         self.postscale = predivide / world_size if op == "average" else 1.0
         self.enabled = True
@@ -175,23 +172,13 @@ class GradientAllreduce:
 
     def _start(self, bucket: _Bucket) -> None:
         bucket.pack(self.prescale)
-        if self.backend == "horovod":
-            import horovod.torch as hvd
-
-            bucket.handle = hvd.allreduce_async_(bucket.buffer, op=hvd.Sum)
-        else:
-            bucket.handle = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
+        bucket.handle = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
 
     def synchronize(self) -> None:
         for bucket in self.buckets[self._next :]:
             self._start(bucket)
         for bucket in self.buckets:
-            if self.backend == "horovod":
-                import horovod.torch as hvd
-
-                hvd.synchronize(bucket.handle)
-            else:
-                bucket.handle.wait()
+            bucket.handle.wait()
             bucket.unpack(self.postscale)
             bucket.ready, bucket.handle = 0, None
         self._next = 0
@@ -284,8 +271,7 @@ class AdasumDelta:
     steps are combined; nothing is communicated in between.
     """
 
-    def __init__(self, backend: str, compression: Compression = "none") -> None:
-        self.backend = backend
+    def __init__(self, compression: Compression = "none") -> None:
         self.wire_dtype = WIRE_DTYPES[compression]
         # Each element's tensor number, made once per set of tensors (the same at every step): one int32 per
         # parameter, instead of building it again at every exchange.
@@ -312,15 +298,6 @@ class AdasumDelta:
                 param.copy_(begin + delta)
 
     def _combine(self, deltas: list[Tensor]) -> None:
-        if self.backend == "horovod":
-            import horovod.torch as hvd
-
-            wires = [d.to(self.wire_dtype) if self.wire_dtype is not None else d for d in deltas]
-            handles = [hvd.allreduce_async_(w, op=hvd.Adasum) for w in wires]
-            for delta, wire, handle in zip(deltas, wires, handles, strict=True):
-                hvd.synchronize(handle)
-                delta.copy_(wire)
-            return
         sizes = [d.numel() for d in deltas]
         flat = torch.cat([d.reshape(-1) for d in deltas])
         key = (tuple(sizes), flat.device)
