@@ -9,6 +9,13 @@ by tests/conftest.py).
   device, no horovod build (:data:`EXPECTED_SKIPS`), and what ``.ci/run`` could not install, which it names in
   ``TEMPLATE_EXPECTED_SKIPS`` (a regular expression). Everything else this machine can run, so it must run: the
   two-node tests and the real-data tests skipping because a probe failed would otherwise pass unseen.
+- Runs. Under CI a whole ``make test`` also fails when fewer tests ran (passed or failed, not skipped) in the files
+  that need the tools ``.ci/run`` installs than :data:`REQUIRED_RUNS` says: the SLURM cluster, the container, the two
+  nodes. A group may be missing only when named in ``TEMPLATE_ALLOWED_GROUPS`` (comma-separated), which ``.ci/run``
+  sets where it cannot install (not root, or no apt-get). A skip is one way to lose them; a file no longer
+  collected, a fixture that returns early or a ``-p no:...`` are others.
+
+``.ci/run`` exports ``CI=true`` itself: the rules above hold on CI whoever calls it.
 
 The per-file budgets are about 1.5 times each file's time in a fresh-clone run of 2026-11-27 with other work beside
 it (eed8333, 17:35 UTC; docs/testing.md, "Time budget"), raised to 1.5 times the evening's run alone where that was
@@ -69,6 +76,11 @@ FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (
     "tests/test_imports.py": 20,
     "tests/test_layers.py": 10,
 }
+REQUIRED_RUNS = {  # group -> (its files, the fewest of their tests a whole run under CI must run)
+    "slurm": (("tests/test_slurm.py", "tests/test_slurm_training.py", "tests/test_slurm_docs.py"), 20),  # of 22
+    "container": (("tests/fashion_mnist/test_container.py",), 8),  # of 9
+    "two-node": (("tests/test_two_nodes.py",), 14),  # of 16
+}
 EXPECTED_SKIPS = (
     r"no CUDA device",
     r"needs two CUDA devices",
@@ -87,17 +99,22 @@ def whole_run(config) -> str | None:
 
 
 class Budget:
-    def __init__(self, kind: str | None, extra_skips: str = "") -> None:
-        """``kind``: what :func:`whole_run` says; ``extra_skips``: a regular expression of more expected skips."""
+    def __init__(self, kind: str | None, extra_skips: str = "", allowed_groups: str = "") -> None:
+        """``kind``: what :func:`whole_run` says; ``extra_skips``: a regular expression of more expected skips;
+        ``allowed_groups``: the groups of :data:`REQUIRED_RUNS` that may run fewer tests (comma-separated)."""
         self.kind = kind
         self.started = time.monotonic()
         self.spent: Counter[str] = Counter()
+        self.ran: Counter[str] = Counter()  # tests that ran their body, by file
+        self.allowed = {group.strip() for group in allowed_groups.split(",") if group.strip()}
         self.skips: list[tuple[str, str]] = []
         self.lines: list[str] = []
         self.expected = re.compile("|".join([*EXPECTED_SKIPS, *([extra_skips] if extra_skips else [])]))
 
     def pytest_runtest_logreport(self, report) -> None:
         self.spent[report.nodeid.split("::")[0]] += report.duration
+        if report.when == "call" and not report.skipped:
+            self.ran[report.nodeid.split("::")[0]] += 1
         if report.skipped:
             reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
             self.skips.append((report.nodeid, reason.removeprefix("Skipped: ")))
@@ -128,6 +145,19 @@ class Budget:
                 self.lines.append(f"error: skipped on CI, where it can run: {nodeid}: {reason}")
             if unexpected:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            self._check_runs(session)
+
+    def _check_runs(self, session) -> None:
+        if self.kind != "make test":
+            return
+        for group, (files, fewest) in REQUIRED_RUNS.items():
+            ran = sum(self.ran[file] for file in files)
+            if group not in self.allowed and ran < fewest:
+                self.lines.append(
+                    f"error: only {ran} {group} test(s) ran on CI, at least {fewest} must ({', '.join(files)}); "
+                    f"where the tools cannot be installed, TEMPLATE_ALLOWED_GROUPS={group} says so"
+                )
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         for line in self.lines:
@@ -141,5 +171,8 @@ def _clock(seconds: float) -> str:
 def register(config) -> None:
     """From pytest_configure: in the process that reports (not in a pytest-xdist worker)."""
     if not hasattr(config, "workerinput"):
-        plugin = Budget(whole_run(config), os.environ.get("TEMPLATE_EXPECTED_SKIPS", ""))
+        environ = os.environ
+        plugin = Budget(
+            whole_run(config), environ.get("TEMPLATE_EXPECTED_SKIPS", ""), environ.get("TEMPLATE_ALLOWED_GROUPS", "")
+        )
         config.pluginmanager.register(plugin, "template-budget")

@@ -1,12 +1,17 @@
 """tests/budget.py on trial with made-up figures (the real ones are in docs/testing.md): a whole run over its time
-budget fails and names the files over theirs; under CI, a skip this machine should not make fails the run."""
+budget fails and names the files over theirs; under CI, a skip this machine should not make fails the run, and so
+do too few runs of the cluster, container and two-node tests; .ci/run sets CI itself and stops on a failed
+install."""
 
+import os
+import subprocess
 import time
 from types import SimpleNamespace
 
 import pytest
 
-from tests.budget import FILE_SECONDS, Budget
+from tests.budget import FILE_SECONDS, REQUIRED_RUNS, Budget
+from tests.conftest import ROOT
 
 
 def finish(plugin: Budget, seconds: float) -> int:
@@ -16,9 +21,16 @@ def finish(plugin: Budget, seconds: float) -> int:
     return session.exitstatus
 
 
-def report(nodeid: str, seconds: float, skipped: str = "") -> SimpleNamespace:
+def report(nodeid: str, seconds: float, skipped: str = "", when: str = "call") -> SimpleNamespace:
     longrepr = (nodeid, 1, f"Skipped: {skipped}") if skipped else None
-    return SimpleNamespace(nodeid=nodeid, duration=seconds, skipped=bool(skipped), longrepr=longrepr)
+    return SimpleNamespace(nodeid=nodeid, duration=seconds, skipped=bool(skipped), longrepr=longrepr, when=when)
+
+
+def all_required_ran(plugin: Budget, *, but: str = "", short: int = 1) -> None:
+    """Reports of every group's fewest runs, ``short`` fewer in group ``but``."""
+    for group, (files, fewest) in REQUIRED_RUNS.items():
+        for n in range(fewest - (short if group == but else 0)):
+            plugin.pytest_runtest_logreport(report(f"{files[n % len(files)]}::test_{n}", 0))
 
 
 def test_a_whole_run_over_its_budget_fails_naming_the_files_over_theirs(monkeypatch):
@@ -51,12 +63,66 @@ def test_a_run_of_a_selection_has_no_budget(monkeypatch):
 def test_under_ci_a_skip_this_machine_should_not_make_fails_the_run(ci, monkeypatch):
     monkeypatch.setenv("CI", "true" if ci else "false")
     plugin = Budget("make test", extra_skips="the real Fashion-MNIST is not installed")
+    all_required_ran(plugin)
     plugin.pytest_runtest_logreport(report("tests/test_gpu.py::test_a", 0, skipped="no CUDA device"))
     plugin.pytest_runtest_logreport(report("tests/x.py::test_b", 0, skipped="the real Fashion-MNIST is not installed"))
     plugin.pytest_runtest_logreport(report("tests/test_two_nodes.py::test_c", 0, skipped="no `ip` command"))
     assert finish(plugin, 60) == (pytest.ExitCode.TESTS_FAILED if ci else 0)
     errors = [line for line in plugin.lines if line.startswith("error")]
     assert errors == (["error: skipped on CI, where it can run: tests/test_two_nodes.py::test_c: no `ip` command"] * ci)
+
+
+@pytest.mark.parametrize("group", list(REQUIRED_RUNS))
+def test_under_ci_too_few_runs_of_a_group_fail_the_run_unless_the_group_is_allowed(group, monkeypatch):
+    """A group's tests lost without a skip (a fixture that returns early, a file no longer collected) are seen:
+    one test fewer than its minimum fails the whole run under CI, with one line naming the group; a run with the
+    group allowed (.ci/run where it cannot install) or a test-fast run passes."""
+    monkeypatch.setenv("CI", "true")
+    every = Budget("make test")
+    all_required_ran(every)
+    assert finish(every, 60) == 0
+    short = Budget("make test")
+    all_required_ran(short, but=group)
+    assert finish(short, 60) == pytest.ExitCode.TESTS_FAILED
+    [error] = [line for line in short.lines if line.startswith("error")]
+    assert error.startswith(f"error: only {REQUIRED_RUNS[group][1] - 1} {group} test(s) ran on CI, at least")
+    # the missing one skipped in its setup (the cluster's fixture), with a reason expected here: still too few
+    skipped = Budget("make test", extra_skips="no `slurmctld`")
+    all_required_ran(skipped, but=group)
+    files = REQUIRED_RUNS[group][0]
+    skipped.pytest_runtest_logreport(report(f"{files[0]}::test_x", 0, skipped="no `slurmctld`", when="setup"))
+    assert finish(skipped, 60) == pytest.ExitCode.TESTS_FAILED
+    allowed = Budget("make test", allowed_groups=f"other, {group}")
+    all_required_ran(allowed, but=group, short=REQUIRED_RUNS[group][1])
+    assert finish(allowed, 60) == 0
+    assert finish(Budget("make test-fast"), 60) == 0
+
+
+def test_ci_run_sets_ci_itself_and_stops_on_a_failed_install(tmp_path):
+    """.ci/run exports CI=true (the rules above hold whoever calls it). On a machine that can install (root, apt-get),
+    an install that fails twice ends it before the suite, in one line naming the packages: here a stand-in apt-get
+    that always fails, and no `ip`/`iptables`/`podman`/`slurmctld` on the PATH, so the first missing tool's install
+    is tried."""
+    script = (ROOT / ".ci" / "run").read_text()
+    assert "export CI=true" in script.split("make ")[0]
+    if os.getuid() != 0:
+        pytest.skip("the install path runs as root only")  # (CI runs as root)
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    stand_in = '#!/bin/sh\necho "apt-get $*" >> "$APT_LOG"\n[ "$1" = update ] || exit 100\n'  # install fails
+    (bin_ / "apt-get").write_text(stand_in)
+    (bin_ / "apt-get").chmod(0o755)
+    for tool in ("id", "dirname", "sleep"):  # the coreutils the script itself uses
+        (bin_ / tool).symlink_to(subprocess.run(["sh", "-c", f"command -v {tool}"], capture_output=True,
+                                                text=True, check=True).stdout.strip())  # fmt: skip
+    env = {"PATH": str(bin_), "APT_LOG": str(tmp_path / "apt.log"), "FASHION_MNIST_SYSTEM_DIR": str(tmp_path)}
+    result = subprocess.run(["/bin/bash", str(ROOT / ".ci" / "run")], env=env, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
+    assert errors == ["error: .ci/run: apt-get could not install dataset-fashion-mnist (tried twice); CI stops here"]
+    installs = [line for line in (tmp_path / "apt.log").read_text().splitlines() if " install " in line]
+    assert len(installs) == 2 and all(line.endswith(" dataset-fashion-mnist") for line in installs), installs
 
 
 def test_what_counts_as_a_whole_run():
