@@ -171,6 +171,33 @@ def slurm_job() -> SlurmJob | None:
     )
 
 
+@dataclass(frozen=True)
+class PodJob:
+    """A pod of a training platform that starts one process per pod and hands it torch's environment contract:
+    Kubeflow's PyTorchJob without ``nprocPerNode`` (Lightning's ``KubeflowEnvironment``), Trainer v2, and the cloud
+    platforms that do the same (Vertex AI, PAI-DLC, Baidu AIHC)."""
+
+    pods: int  # WORLD_SIZE
+    index: int  # RANK
+    processes_per_pod: int  # NPROC_PER_NODE where the platform sets it, else 1
+
+
+def pod_job() -> PodJob | None:
+    """This process's pod when ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE`` and ``RANK`` are set and no launcher
+    started it (no torchrun, Lightning's own ddp ranks, SLURM task or MPI rank), else None. Lightning alone takes
+    such a process for a run of its own: every pod trained alone, with no word."""
+    env = os.environ
+    if not all(env.get(var, "").strip() for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")):
+        return None
+    launched = any(var in env for var in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
+    if launched or env.get("SLURM_STEP_ID") or launcher_ranks() is not None:
+        return None
+    if not (env["WORLD_SIZE"].isdigit() and env["RANK"].isdigit()):
+        return None
+    per_pod = env.get("NPROC_PER_NODE", "1")
+    return PodJob(int(env["WORLD_SIZE"]), int(env["RANK"]), int(per_pod) if per_pod.isdigit() else 1)
+
+
 def _number(text: str | None, default: int) -> int:
     return int(text) if text and text.isdigit() else default
 

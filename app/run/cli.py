@@ -45,10 +45,12 @@ from app.launch.launcher import (
     is_first_process,
     launcher_ranks,
     one_gpu_per_rank,
+    pod_job,
     slurm_job,
     torchrun_job,
 )
 from app.launch.library_noise import HeldRecords
+from app.launch.pods import take_pod_numbers
 from app.launch.restarts import later_start, take_launcher_numbers
 from app.launch.signals import pass_sigterm_to_spawned_ranks, stopped_exit_code
 from app.launch.slurm import requeueable_job, take_slurm_numbers
@@ -233,6 +235,8 @@ class CLI(CkptPathRule, LightningCLI):
             take_launcher_numbers(config.trainer, job, devices_given, continuing=bool(continued))
         elif (slurm := slurm_job()) is not None and launcher_ranks() is None:  # (mpirun in an allocation: its own)
             take_slurm_numbers(config.trainer, slurm, devices_given)
+        elif (pod := pod_job()) is not None:  # a PyTorchJob's pod: one process, no launcher
+            take_pod_numbers(config.trainer, pod, devices_given)
         mpi = launcher_ranks()
         if mpi is not None and _rank_has_own_gpu(config.trainer, mpi[3], devices_given):
             config.trainer.devices = 1  # the one GPU this rank sees
