@@ -41,7 +41,7 @@ FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (
     "tests/test_reliability.py": 520,
     "tests/test_two_nodes.py": 630,
     "tests/test_slurm_docs.py": 450,  # 5 SLURM jobs: 178 s alone, ~300 s beside other work (2026-11-28), x1.5
-    "tests/test_slurm_training.py": 600,  # 12 SLURM jobs, requeued and resumed: 390 s beside other work (2026-11-28)
+    "tests/test_slurm_training.py": 700,  # 15 SLURM jobs, requeued and resumed: 390 s beside other work (2026-11-28)
     "tests/test_slurm.py": 90,  # the cluster up and down: 29 s alone
     "tests/test_slurm_job.py": 90,  # one slow test of two cli.py runs: 39 s beside other work
     "tests/test_fork.py": 400,
@@ -75,6 +75,7 @@ FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (
     "tests/test_gpu.py": 10,
     "tests/test_imports.py": 20,
     "tests/test_layers.py": 10,
+    "tests/test_pods.py": 60,  # two cli.py processes as two pods: 29 s alone (2026-11-29)
 }
 REQUIRED_RUNS = {  # group -> (its files, the fewest of their tests a whole run under CI must run)
     "slurm": (("tests/test_slurm.py", "tests/test_slurm_training.py", "tests/test_slurm_docs.py"), 20),  # of 22

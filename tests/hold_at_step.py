@@ -1,8 +1,8 @@
 """A test-only callback for SLURM jobs: every rank holds after a given optimizer step of the job's first start, until
 a stop signal reaches it (or ``seconds`` pass), so that the test stops the job there (``scontrol requeue``, its time
 limit, a preemption, ``scancel``) mid-epoch, however fast the machine. Rank 0 writes ``held`` in ``folder`` when it
-holds, and a line per optimizer step to ``steps.jsonl`` (start, step, wall time): the time from a stop to the first
-step of the next start."""
+holds, ``released`` when a signal ends the hold (its number, wall time), and a line per optimizer step to
+``steps.jsonl`` (start, step, wall time): the time from a stop to the first step of the next start."""
 
 import json
 import os
@@ -50,3 +50,5 @@ class HoldAtStep(Callback):
         deadline = time.monotonic() + self.seconds
         while time.monotonic() < deadline and not (preemption is not None and preemption.received):
             time.sleep(0.1)
+        if trainer.is_global_zero and preemption is not None and preemption.received:  # within 0.1 s of the signal
+            (self.folder / "released").write_text(json.dumps({"signal": preemption.received, "time": time.time()}))

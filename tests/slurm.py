@@ -24,11 +24,13 @@ cannot collide on them.
 
 The config is made for the tests of requeue, preemption and node loss: ``ReturnToService=2``, ``KillWait=5``,
 ``MessageTimeout=5``, ``SlurmdTimeout=10`` (a node whose slurmd is gone is DOWN about 15 s later, and a
-``--requeue`` job on it pending again), ``JobRequeue=1``,
-``MinJobAge=30`` (a finished job's record stays long enough to be read), ``MpiDefault=none`` (no PMIx library here),
-``SelectTypeParameters=CR_CPU`` (no memory tracking: 2 one-CPU tasks fit on each node), and two partitions:
-``main`` (the default) and ``high`` (a higher ``PriorityTier``) with ``PreemptType=preempt/partition_prio`` and
-``PreemptMode=REQUEUE``: a job in ``high`` requeues the ``main`` jobs it needs the CPUs of.
+``--requeue`` job on it pending again), ``JobRequeue=0`` (SLURM's default is 1: here only a job that asks, as the
+shipped script's ``#SBATCH --requeue`` does, can be requeued, so the tests prove that line), ``MinJobAge=300`` (a
+finished job's record stays long enough to be read, by a test that waits for its own job first), ``MpiDefault=none``
+(no PMIx library here), ``SelectTypeParameters=CR_CPU`` (no memory tracking: 2 one-CPU tasks fit on each node), and
+two partitions: ``main`` (the default) and ``high`` (a higher ``PriorityTier``) with
+``PreemptType=preempt/partition_prio`` and ``PreemptMode=REQUEUE``: a job in ``high`` requeues the ``main`` jobs it
+needs the CPUs of.
 
 Clean-up on every path, as tests/netns.py's: leaving the ``with`` block (passed, failed, interrupted; SIGTERM becomes
 KeyboardInterrupt while the nodes exist) cancels every job, stops the daemons this cluster started (by pid: SIGTERM,
@@ -117,8 +119,8 @@ def slurm_conf(folder: Path, nodes: tuple[Node, ...], munge_socket: Path, cpus: 
         "SlurmdTimeout=10",
         "MessageTimeout=5",
         "KillWait=5",
-        "MinJobAge=30",
-        "JobRequeue=1",
+        "MinJobAge=300",
+        "JobRequeue=0",
         "InactiveLimit=0",
         "PreemptType=preempt/partition_prio",
         "PreemptMode=REQUEUE",

@@ -250,3 +250,17 @@ def test_the_shipped_batch_script_takes_a_forks_recipe_from_its_command_line(tmp
     assert done.stdout.splitlines() == ["python", "cli.py", "fit", *recipe, *preset, *flags]
     missing = subprocess.run(["bash", script, "--config"], env=environ, capture_output=True, text=True, timeout=30)
     assert missing.returncode != 0 and "--config needs a file" in missing.stderr
+
+
+def test_each_row_of_the_docs_table_of_slurm_events_names_a_test_that_exists():
+    """docs/multi-node.md's table of what the run does on each SLURM event is proven row by row: every row names at
+    least one test (``tests/FILE.py::test_name``), and each named test is defined in its file."""
+    text = (ROOT / "docs" / "multi-node.md").read_text()
+    start = text.index("| event | what SLURM sends |")
+    rows = text[start : text.index("\n\n", start)].splitlines()[2:]
+    assert len(rows) >= 8, rows
+    for row in rows:
+        named = re.findall(r"`(tests/[\w/]+\.py)::(test_\w+)`", row)
+        assert named, f"a row of docs/multi-node.md names no test: {row[:80]}"
+        for file, test in named:
+            assert re.search(rf"(?m)^def {test}\(", (ROOT / file).read_text()), f"{file} has no {test}"

@@ -161,9 +161,9 @@ class Preemption(Callback):
                 self._previous[signum] = signal.signal(signum, self._handle)
             early = take_early_signals(self._stop_signals())
             if early and not self.received:  # sent while the rank was starting: acted on now
-                self._handle(early[0], None)
+                self._handle(early[0], None, while_starting=True)
 
-    def _handle(self, signum: int, frame) -> None:
+    def _handle(self, signum: int, frame, while_starting: bool = False) -> None:
         if self._saved:  # the state is written and the rank is on its way out (SLURM stops a job it requeues)
             return
         repeat = self.received == signum == signal.SIGTERM and time.monotonic() - self._received_at < SLURM_REPEAT_S
@@ -178,6 +178,8 @@ class Preemption(Callback):
         # (a checkpoint needs every rank: a launcher that lost one worker sends the others SIGTERM, torchrun does)
         if signum == SLURM_WARNING_SIGNAL and signum not in self.signals:
             name += " (SLURM's warning before the time limit)"
+        if while_starting:  # kept since the process's first lines (app/launch/early_signals.py)
+            name += " while starting"
         message = f"[rank {self._rank}] received {name}: stopping after this step, with a checkpoint if every rank "
         message += "finishes it"
         message += " (Ctrl-C again: stop now)" if signum == signal.SIGINT else ""

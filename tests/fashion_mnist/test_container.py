@@ -195,8 +195,11 @@ def stopped_and_resumed(built, tmp_path_factory) -> dict:
 
 def test_podman_stop_saves_in_the_volume_and_a_new_container_resumes_bitwise_an_unbroken_run(stopped_and_resumed):
     """SIGTERM from ``podman stop``: the run finishes its step, writes last.ckpt into the volume and exits 143 well
-    within the 10 s before SIGKILL; ``--ckpt_path last`` in a new container ends with the unbroken run's weights
-    (every tensor ``torch.equal``) and the same loss at every step, augmentation included."""
+    within the 10 s before SIGKILL; ``--ckpt_path last`` in a new container says it resumes from that last.ckpt at
+    its step N, logs no training step before N, and ends with the unbroken run's weights (every tensor
+    ``torch.equal``); each run's own losses are the unbroken run's at the same steps, augmentation included. (A
+    second container that trained from step 0, or from another run's checkpoint, ends with the same weights by
+    determinism: its line and its rows tell it apart.)"""
     r = stopped_and_resumed
     assert r["stop"].returncode == 0, r["stop"].stderr
     assert r["code"] == 143 and r["stop_seconds"] < 10, (r["code"], r["stop_seconds"], r["log"][-3000:])
@@ -205,11 +208,17 @@ def test_podman_stop_saves_in_the_volume_and_a_new_container_resumes_bitwise_an_
     step = last_ckpt(first)["global_step"]
     assert 3 <= step < STEPS, (step, r["stop_seconds"], r["log"][-3000:])  # inside epoch 0
     assert f"SIGTERM: stopped after step {step} (epoch 0)" in r["log"], r["log"][-3000:]
-    assert r["resumed"].returncode == 0, (r["resumed"].stdout + r["resumed"].stderr)[-3000:]
+    said = r["resumed"].stdout + r["resumed"].stderr
+    assert r["resumed"].returncode == 0, said[-3000:]
+    own = f"lightning_logs/{first.name}/checkpoints/last.ckpt"  # the stopped run's, in the container's /app
+    assert f"--ckpt_path last: resuming from {own} (step {step})" in said, said[-3000:]
     [expected] = versions(base / "unbroken")
     assert last_ckpt(resumed_run)["global_step"] == last_ckpt(expected)["global_step"] == 2 * STEPS
     assert_same_weights(last_ckpt(resumed_run), last_ckpt(expected))
-    assert metrics(first, resumed_run)["train/loss"] == metrics(expected)["train/loss"]
+    unbroken = metrics(expected)["train/loss"]
+    assert len(unbroken) == 2 * STEPS  # a loss at every step
+    assert metrics(first)["train/loss"] == {s: loss for s, loss in unbroken.items() if s < step}
+    assert metrics(resumed_run)["train/loss"] == {s: loss for s, loss in unbroken.items() if s >= step}
     owned_by(base / "stopped" / "lightning_logs", 1000)
 
 
