@@ -26,7 +26,8 @@ OTHERS = ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID", "NPROC
 @pytest.fixture
 def pod_env(monkeypatch):
     for var in OTHERS + ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "HOROVOD_SIZE"):
-        monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv(var, "")  # recorded, so that what take_pod_numbers sets (NODE_RANK, LOCAL_RANK) is undone
+        monkeypatch.delenv(var)
     for var, value in zip(CONTRACT, ("job-master-0", "23456", "2", "1"), strict=True):
         monkeypatch.setenv(var, value)
     return monkeypatch
