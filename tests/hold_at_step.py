@@ -1,7 +1,8 @@
 """A test-only callback for SLURM jobs: every rank holds after a given optimizer step of the job's first start, until
 a stop signal reaches it (or ``seconds`` pass), so that the test stops the job there (``scontrol requeue``, its time
 limit, a preemption, ``scancel``) mid-epoch, however fast the machine. Rank 0 writes ``held`` in ``folder`` when it
-holds, ``released`` when a signal ends the hold (its number, wall time), and a line per optimizer step to
+holds, ``signalled`` once a stop signal has come (its number, the wall time: within 0.1 s of it while holding,
+within a step before or after), and a line per optimizer step to
 ``steps.jsonl`` (start, step, wall time): the time from a stop to the first step of the next start."""
 
 import json
@@ -38,17 +39,20 @@ class HoldAtStep(Callback):
             time.sleep(self.linger)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        preemption = stop_plan(trainer).preemption
         if trainer.is_global_zero:
             line = {"start": this_start(), "step": trainer.global_step, "time": time.time()}
             with (self.folder / "steps.jsonl").open("a") as f:
                 f.write(json.dumps(line) + "\n")
+            signalled = self.folder / "signalled"
+            if preemption is not None and preemption.received and not signalled.exists():  # within a step of it
+                signalled.write_text(json.dumps({"signal": preemption.received, "time": time.time()}))
         if trainer.global_step != self.step or this_start() != 0 or self.rank not in (-1, trainer.global_rank):
             return
         if trainer.is_global_zero:
             (self.folder / "held").write_text(json.dumps({"step": self.step, "time": time.time()}))
-        preemption = stop_plan(trainer).preemption
         deadline = time.monotonic() + self.seconds
         while time.monotonic() < deadline and not (preemption is not None and preemption.received):
             time.sleep(0.1)
         if trainer.is_global_zero and preemption is not None and preemption.received:  # within 0.1 s of the signal
-            (self.folder / "released").write_text(json.dumps({"signal": preemption.received, "time": time.time()}))
+            (self.folder / "signalled").write_text(json.dumps({"signal": preemption.received, "time": time.time()}))

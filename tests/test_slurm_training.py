@@ -220,17 +220,17 @@ def test_scontrol_requeue_mid_epoch_resumes_by_itself_in_the_same_run_bitwise_li
 
 def test_the_time_limit_warning_signal_saves_requeues_and_resumes_bitwise(cluster, unbroken, tmp_path):
     """The shipped script's own ``#SBATCH --signal=USR1@90``, in a job of 2 minutes: 90 s before the time limit (up
-    to 30 s later: slurmctld looks at its jobs' times every 30 s) each task gets SIGUSR1; the run stops after the
-    step, saves, and requeues the job itself, which the script's ``#SBATCH --requeue`` allows (the test cluster's
-    ``JobRequeue=0``: without the line, SLURM refuses)."""
+    to 60 s earlier, as sbatch's manual says) each task gets SIGUSR1; the run stops after the step, saves, and
+    requeues the job itself, which the script's ``#SBATCH --requeue`` allows (the test cluster's ``JobRequeue=0``:
+    without the line, SLURM refuses)."""
     files = tmp_path / "wandb"  # a W&B run beside the run folder, offline: one across the requeue, each step once
     tracker = ("--trainer.logger+=lightning.pytorch.loggers.WandbLogger", "--trainer.logger.offline=true")
     tracker += (f"--trainer.logger.save_dir={files}",)
     # rank 0 lingers 3 s after its save, before its loggers end (a slow machine): SLURM carries the requeue out
     # meanwhile, and stops W&B's service
     job = Job(cluster, tmp_path / "limit", "--time=2", hold={"linger": 3.0}, more=tracker)
-    # the warning comes 30-60 s after the start, while the ranks hold at step 3 (on a very busy machine it may come
-    # before: it is kept, and the run stops after its first step)
+    # the warning comes 0-30 s after the start, mostly while the ranks hold at step 3 (or before: it is kept, and
+    # the run stops after its first step)
     deadline, limit = time.monotonic() + 240, None
     while (info := cluster.state(job.id) or {}).get("Restarts") != "1" and time.monotonic() < deadline:
         if limit is None and info.get("JobState") == "RUNNING":  # the first start's time limit
@@ -245,9 +245,12 @@ def test_the_time_limit_warning_signal_saves_requeues_and_resumes_bitwise(cluste
     assert f"Requeued SLURM job {job.id} (before its time limit): its next start resumes from it by itself" in text
     step = resumed_at(job)
     assert 1 <= step <= 5
-    released = json.loads((job.folder / "released").read_text())  # the hold at step 3 ended by the signal
-    before_limit = limit - released["time"]
-    assert released["signal"] == signal.SIGUSR1 and 90 - 30 - 5 <= before_limit <= 90 + 5, before_limit
+    # SLURM sends it at 90 s before the limit or up to 60 s earlier ("due to the resolution of event handling",
+    # sbatch's manual); seen here: 92 s alone, 106 s in a whole run
+    signalled = json.loads((job.folder / "signalled").read_text())
+    before_limit = limit - signalled["time"]
+    assert signalled["signal"] == signal.SIGUSR1 and 90 - 5 <= before_limit <= 90 + 60 + 5, before_limit
+    print(f"\nUSR1@90 came {before_limit:.1f} s before the time limit")
     assert_bitwise(job, unbroken)
     # the run ended its W&B run before the requeue stopped every process of the job, W&B's service too
     first, second = wandb_segments(files)

@@ -96,9 +96,13 @@ def end_tracker_runs(trainer, exit_code: int) -> None:
     drops the records it has not written out yet (a ``.wandb`` file is written in 32 KiB blocks). Ended first, the
     start's offline segment is whole; the requeued start continues the run. MLflow's client writes each call at once:
     nothing to do."""
-    for logger in trainer.loggers:
-        if _kind_of_class(type(logger)) == WANDB:
-            logger.experiment.finish(exit_code=exit_code)
+    wandb_runs = [logger.experiment for logger in trainer.loggers if _kind_of_class(type(logger)) == WANDB]
+    for run in wandb_runs:
+        run.finish(exit_code=exit_code)
+    if wandb_runs:  # and the service too: at exit, W&B's own teardown would find it stopped (a traceback)
+        import wandb
+
+        wandb.teardown(exit_code)
 
 
 def saved_tracker_runs(checkpoint: dict) -> dict[str, list[str | None]]:
