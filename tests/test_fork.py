@@ -264,7 +264,7 @@ def test_a_fork_without_the_example_still_has_every_machinery_test(tmp_path):
     cli = re.sub(r'^MODEL = ".*"$', 'MODEL = "examples.sequence.SequenceRegressor"', cli, flags=re.M)
     (fork / "cli.py").write_text(re.sub(r'^DATA = ".*"$', 'DATA = "examples.sequence.SequenceData"', cli, flags=re.M))
     assert not (fork / "app" / "fashion_mnist").exists() and "examples.sequence" in (fork / "cli.py").read_text()
-    environ = {**os.environ, "PYTHONPATH": str(fork)}
+    environ = {**os.environ, "PYTHONPATH": str(fork), "PYTEST_ADDOPTS": ""}  # (the caller's -v changes the output)
     collected = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
         cwd=fork, env=environ, capture_output=True, text=True, timeout=300,
