@@ -1,8 +1,8 @@
 """A test-only callback for SLURM jobs: every rank holds after a given optimizer step of the job's first start, until
 a stop signal reaches it (or ``seconds`` pass), so that the test stops the job there (``scontrol requeue``, its time
 limit, a preemption, ``scancel``) mid-epoch, however fast the machine. Rank 0 writes ``held`` in ``folder`` when it
-holds, ``signalled`` once a stop signal has come (its number, the wall time: within 0.1 s of it while holding,
-within a step before or after), and a line per optimizer step to
+holds, ``signalled`` once a stop signal has come (its number, and the wall time it came at: Preemption's own record,
+even of a signal kept while the rank started), and a line per optimizer step to
 ``steps.jsonl`` (start, step, wall time): the time from a stop to the first step of the next start."""
 
 import json
@@ -34,7 +34,18 @@ class HoldAtStep(Callback):
         self.folder, self.step, self.seconds, self.rank = Path(folder), step, seconds, rank
         self.linger = linger
 
+    def _note_signal(self, trainer) -> None:
+        """``signalled``, once rank 0's Preemption has a signal: written from whichever hook sees it first (Preemption
+        may stop the run in its own hook of the same step, before this callback's)."""
+        preemption = stop_plan(trainer).preemption
+        signalled = self.folder / "signalled"
+        if not trainer.is_global_zero or preemption is None or not preemption.received or signalled.exists():
+            return
+        at = time.time() - (time.monotonic() - preemption.received_at)
+        signalled.write_text(json.dumps({"signal": preemption.received, "time": at}))
+
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        self._note_signal(trainer)
         if trainer.is_global_zero and self.linger:
             time.sleep(self.linger)
 
@@ -44,9 +55,7 @@ class HoldAtStep(Callback):
             line = {"start": this_start(), "step": trainer.global_step, "time": time.time()}
             with (self.folder / "steps.jsonl").open("a") as f:
                 f.write(json.dumps(line) + "\n")
-            signalled = self.folder / "signalled"
-            if preemption is not None and preemption.received and not signalled.exists():  # within a step of it
-                signalled.write_text(json.dumps({"signal": preemption.received, "time": time.time()}))
+        self._note_signal(trainer)
         if trainer.global_step != self.step or this_start() != 0 or self.rank not in (-1, trainer.global_rank):
             return
         if trainer.is_global_zero:
@@ -54,5 +63,4 @@ class HoldAtStep(Callback):
         deadline = time.monotonic() + self.seconds
         while time.monotonic() < deadline and not (preemption is not None and preemption.received):
             time.sleep(0.1)
-        if trainer.is_global_zero and preemption is not None and preemption.received:  # within 0.1 s of the signal
-            (self.folder / "signalled").write_text(json.dumps({"signal": preemption.received, "time": time.time()}))
+        self._note_signal(trainer)

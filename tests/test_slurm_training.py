@@ -438,16 +438,27 @@ def test_a_plain_scancel_mid_epoch_saves_the_step_and_a_new_job_with_ckpt_path_l
     print(f"\nscancel: job {job.id} {info['JobState']}, ExitCode {info['ExitCode']}; saved step {step}")
 
 
-def test_scancel_full_with_term_ends_the_tasks_unsaved_as_the_docs_say(cluster, tmp_path):
-    """docs/multi-node.md's row "``scancel --signal=TERM --full``: SIGTERM to the batch shell and ``srun``, which
-    kills its tasks at once (SIGKILL) | nothing can be saved | avoid it", as it says."""
+def test_scancel_full_with_term_ends_the_job_unrequeued_with_a_whole_checkpoint_or_none(cluster, tmp_path):
+    """docs/multi-node.md's row "``scancel --signal=TERM --full``": SIGTERM to the batch shell, ``srun`` and the tasks;
+    the shell's end ends the job, and ``srun`` has its step killed, so whether the ranks' save fits before the SIGKILL
+    is a race (here: killed unsaved alone; saved in a CI run). Either way the job is over, not requeued, no rank is
+    left, and ``last.ckpt`` is absent or whole at the held step (written to a temporary file, then renamed)."""
     job = Job(cluster, tmp_path / "full")
     job.held()
     cluster.scancel(job.id, "TERM", "--full")
-    info = cluster.wait(job.id, states=("FAILED", "CANCELLED", "COMPLETED"), timeout=120)
-    assert not list((job.folder / "runs").rglob("last.ckpt")), job.text()[-4000:]  # nothing saved
-    assert "Exit code 143" not in job.text(), job.text()[-4000:]  # no rank reached its stop
-    print(f"\nscancel --signal=TERM --full: job {info['JobState']}, ExitCode {info['ExitCode']}, nothing saved")
+    info = cluster.wait(job.id, states=("FAILED", "CANCELLED"), timeout=120)
+    assert info["Restarts"] == "0", info
+    deadline = time.monotonic() + 30
+    while rank_processes(cluster) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not rank_processes(cluster), job.text()[-4000:]
+    saved = list((job.folder / "runs").rglob("last.ckpt"))  # (a save cut by the SIGKILL leaves a hidden .tmp file)
+    if saved:  # the ranks' stop and save beat the SIGKILL
+        [last] = saved
+        step = torch.load(last, map_location="cpu", weights_only=True)["global_step"]  # whole: it loads
+        assert 3 <= step <= 5, step
+        assert f"SIGTERM: stopped after step {step} (epoch 0); saved {last}." in job.text(), job.text()[-4000:]
+    print(f"\nscancel --signal=TERM --full: job {info['JobState']}, ExitCode {info['ExitCode']}, saved: {saved}")
 
 
 def test_a_requeued_job_whose_checkpoint_is_damaged_says_so_in_one_line(cluster, tmp_path):

@@ -98,7 +98,7 @@ class Preemption(Callback):
         self.signals = tuple(signal.Signals[name] for name in signals)
         self.received = 0  # the first signal number received by this process, 0 for none
         self._saved = False  # the stop's checkpoint is written: a later signal changes nothing
-        self._received_at = 0.0
+        self.received_at = 0.0  # its time.monotonic()
         self._group = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
         self._previous: dict[int, object] = {}
@@ -161,19 +161,20 @@ class Preemption(Callback):
                 self._previous[signum] = signal.signal(signum, self._handle)
             early = take_early_signals(self._stop_signals())
             if early and not self.received:  # sent while the rank was starting: acted on now
-                self._handle(early[0], None, while_starting=True)
+                self._handle(early[0][0], None, while_starting=early[0][1])
 
-    def _handle(self, signum: int, frame, while_starting: bool = False) -> None:
+    def _handle(self, signum: int, frame, while_starting: float = 0.0) -> None:
+        """The signal handler; ``while_starting``: the ``time.monotonic()`` of a signal kept since the rank started."""
         if self._saved:  # the state is written and the rank is on its way out (SLURM stops a job it requeues)
             return
-        repeat = self.received == signum == signal.SIGTERM and time.monotonic() - self._received_at < SLURM_REPEAT_S
+        repeat = self.received == signum == signal.SIGTERM and time.monotonic() - self.received_at < SLURM_REPEAT_S
         if repeat and slurm_job() is not None:  # SLURM's own repeat (time limit, preemption): one stop
             return
         if self.received:  # a second signal: stop now
             name = signal.Signals(signum).name
             os.write(2, f"[rank {self._rank}] second {name}: stopping now, without a checkpoint\n".encode())
             raise Preempted(signum, checkpointed=False)
-        self.received, self._received_at = signum, time.monotonic()
+        self.received, self.received_at = signum, while_starting or time.monotonic()
         name = signal.Signals(signum).name
         # (a checkpoint needs every rank: a launcher that lost one worker sends the others SIGTERM, torchrun does)
         if signum == SLURM_WARNING_SIGNAL and signum not in self.signals:

@@ -6,8 +6,10 @@ a program can catch them from its first lines (``import lightning`` alone takes 
 from __future__ import annotations
 
 import signal
+import time
 
-_early_signals: list[int] = []  # caught by catch_early_signals before a Preemption callback was installed
+# caught by catch_early_signals before a Preemption callback was installed: (signal number, time.monotonic() then)
+_early_signals: list[tuple[int, float]] = []
 
 
 def catch_early_signals(signals=(signal.SIGTERM, signal.SIGINT)) -> None:
@@ -15,11 +17,12 @@ def catch_early_signals(signals=(signal.SIGTERM, signal.SIGINT)) -> None:
     ranks spend seconds importing and unpickling the job before Preemption installs its handlers, and the launcher
     forwards a SIGTERM/SIGINT as soon as a rank has written its pid. Preemption acts on it once installed."""
     for signum in signals:
-        signal.signal(signum, lambda signum, frame: _early_signals.append(signum))
+        signal.signal(signum, lambda signum, frame: _early_signals.append((signum, time.monotonic())))
 
 
-def take_early_signals(signals) -> list[int]:
-    """The stop signals among ``signals`` caught so far by :func:`catch_early_signals`, forgotten once taken."""
-    early = [signum for signum in _early_signals if signum in signals]
+def take_early_signals(signals) -> list[tuple[int, float]]:
+    """The stop signals among ``signals`` caught so far by :func:`catch_early_signals`, each with the
+    ``time.monotonic()`` it came at, forgotten once taken."""
+    early = [(signum, at) for signum, at in _early_signals if signum in signals]
     _early_signals.clear()
     return early
