@@ -19,6 +19,10 @@ TOOLS = {
         "app.fashion_mnist.export",
         "'cli.py export --ckpt_path CKPT --out model.pt2' writes the trained network for inference",
     ),
+    "shards": (
+        "app.fashion_mnist.shards",
+        "'cli.py shards --out DIR' writes the training images as tar shards to stream from",
+    ),
 }
 
 if __name__ == "__main__":

@@ -13,18 +13,25 @@ The loader also names each batch by ``(epoch, batch)``: augmentation seeds its r
 random-number state in the checkpoint. Its loaders draw nothing from torch's global generator (which the model's
 dropout draws from, and which :class:`app.callbacks.RandomState` seeds at every batch the same way).
 
+A dataset that can only be read in order (an ``IterableDataset``: files read in shards, a stream) gets the same
+promises from :class:`StreamLoader`: its items are dealt out as a map-style epoch's indices are (item ``i`` of the
+epoch's stream to rank ``i mod W``), so the position saved is again the count of items the ranks consumed together,
+and a resume at any world size skips that many items and deals out the rest.
+
 :func:`make_loader` is what a data module calls to get these promises for its own dataset (docs/fork.md).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 from typing_extensions import override
 
 from app.parallelism import parallelism
@@ -168,6 +175,117 @@ class DeviceLoader(ResumableLoader):
             yield self.dataset[index]
 
 
+class DealtStream(IterableDataset):
+    """One rank's share of a stream, as :class:`StreamLoader` deals it: item ``i`` of the epoch's stream (after the
+    ``skip`` items a resumed epoch had consumed) goes to rank ``i mod ranks``; for training only whole rows of
+    ``ranks`` items are dealt, so that every rank takes the same number of batches (a rank with one batch more
+    would wait for good in its gradient all-reduce). A ``DataLoader`` worker ``k`` of ``n`` yields the batches ``k,
+    k + n, ...`` of the rank's share, so that the loader hands them out in the order one process would."""
+
+    def __init__(self, stream: IterableDataset, rank: int, ranks: int, batch_size: int, whole_rows: bool) -> None:
+        self.stream, self.rank, self.ranks, self.batch_size = stream, rank, ranks, batch_size
+        self.whole_rows = whole_rows
+        self.skip = 0  # items of the epoch's stream that an earlier run consumed
+
+    def __len__(self) -> int:
+        """The rank's items in a whole epoch (a ``TypeError`` when the stream has no length, as ``len()`` gives)."""
+        count = len(self.stream)  # type: ignore[arg-type]
+        if self.whole_rows:
+            return count // self.ranks
+        return max(count - self.rank + self.ranks - 1, 0) // self.ranks
+
+    def __iter__(self) -> Iterator[Any]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        items = itertools.islice(iter(self.stream), self.skip, None)
+        for taken in itertools.count():
+            row = list(itertools.islice(items, self.ranks))
+            if len(row) <= self.rank or (self.whole_rows and len(row) < self.ranks):
+                return
+            if (taken // self.batch_size) % workers == worker:
+                yield row[self.rank]
+
+
+class StreamLoader(DataLoader):
+    """The template's loader of an ``IterableDataset`` (:class:`DealtStream` deals it out over the ranks): it saves
+    its position in the epoch (the items the ranks consumed together), and a resume at any world size skips that
+    many items of the epoch's stream and deals out the rest, so each item of the epoch is trained once and, at the
+    same world size, in the order of an unbroken run. The skipped items are read again (a stream cannot seek): a
+    resume costs reading the stopped epoch up to its position.
+
+    Before each epoch the stream's ``set_epoch(epoch)`` is called, when it has one (to shuffle its shards per epoch,
+    as WebDataset and Hugging Face's datasets do). Its ``len()`` is the rank's batches in a whole epoch when the
+    stream has a length, and undefined (Lightning then runs each epoch until the stream ends) when it has none.
+    Workers (``num_workers``) are started anew each epoch: each gets the stream as it is then."""
+
+    dataset: DealtStream
+
+    def __init__(
+        self,
+        stream: IterableDataset,
+        *,
+        rank: int = 0,
+        ranks: int = 1,
+        train: bool = True,
+        seed: int = 0,
+        batch_size: int = 1,
+        epoch_of: Callable[[], int] | None = None,
+        **options: Any,
+    ) -> None:
+        options.setdefault("generator", torch.Generator())  # seeded per epoch in __iter__
+        options["persistent_workers"] = False  # a persistent worker would keep the first epoch's stream
+        super().__init__(
+            DealtStream(stream, rank, ranks, batch_size, whole_rows=train), batch_size=batch_size, **options
+        )
+        self.stream, self.seed, self.train = stream, seed, train
+        self._epoch_of = epoch_of  # the epoch about to run (the trainer's), else the count of passes so far
+        self._passes = 0
+        self._resume_at: tuple[int, int] | None = None  # (epoch, global position)
+        self.epoch = 0
+        self.batch = 0  # batches of the epoch handed out, as Lightning counts them
+        self.consumed = 0  # the epoch's global position after those batches
+
+    def _next_epoch(self) -> int:
+        return self._epoch_of() if self._epoch_of is not None else self._passes
+
+    def _skip(self, epoch: int) -> int:
+        resume_epoch, consumed = self._resume_at or (None, 0)
+        return consumed if epoch == resume_epoch else 0
+
+    def first_batch(self) -> int:
+        """The batch index the (possibly resumed) epoch starts at, at this world size."""
+        return self._skip(self._next_epoch()) // (self.batch_size * self.dataset.ranks)
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch = self._next_epoch()
+        skip, self._passes = self._skip(epoch), self._passes + 1
+        self._resume_at = None  # one restart only
+        set_epoch = getattr(self.stream, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        self.dataset.skip = skip
+        self.epoch, self.consumed = epoch, skip
+        self.batch = skip // (self.batch_size * self.dataset.ranks)
+        self.generator.manual_seed(hash((self.seed, epoch, self.dataset.rank)) & 0x7FFF_FFFF_FFFF_FFFF)
+        for batch in super().__iter__():
+            self.batch += 1
+            self.consumed += self.batch_size * self.dataset.ranks  # (only an epoch's last batch can be short)
+            yield batch
+
+    def batch_seed(self) -> int:
+        """A seed that names the current batch: (loader seed, epoch, batch, rank). Same in a resumed run."""
+        return hash((self.seed, self.epoch, self.batch, self.dataset.rank)) & 0x7FFF_FFFF_FFFF_FFFF
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "batches": self.batch, "samples": self.consumed, "world_size": self.dataset.ranks}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._resume_at = (state["epoch"], state["samples"])
+
+
+TEMPLATE_LOADERS = (ResumableLoader, StreamLoader)  # the training loaders make_loader gives
+
+
 def make_loader(
     trainer: Any,
     dataset: Dataset,
@@ -178,7 +296,7 @@ def make_loader(
     on_device: bool = False,
     **options: Any,
 ) -> DataLoader:
-    """The template's loader for any map-style dataset, for a data module's ``*_dataloader`` methods::
+    """The template's loader for any dataset, for a data module's ``*_dataloader`` methods::
 
         def train_dataloader(self):
             return make_loader(self.trainer, self.train_set, train=True, batch_size=self.hparams.batch_size)
@@ -194,6 +312,10 @@ def make_loader(
 
     ``options`` go to ``DataLoader`` (``collate_fn``, ``num_workers``, ...); ``pin_memory`` defaults to True on CUDA.
 
+    An ``IterableDataset`` (a stream: shards of files, records read in order) gets a :class:`StreamLoader`: its
+    items dealt out over the ranks in turn, whole rows of them in training so that every rank takes as many
+    batches; the same position saved and restored at any world size, by skipping what the stopped epoch consumed.
+
     ``on_device=True`` (training only) gives a :class:`DeviceLoader`: ``dataset`` must already be on the training
     device (``strategy.root_device``) and give a whole batch for a tensor of indices (``dataset[index]``), as
     ``TensorDataset`` does; the batches are the host loader's, cut on the device (``collate_fn`` is not used).
@@ -205,6 +327,23 @@ def make_loader(
     options.setdefault("pin_memory", on_cuda)
     # the workers' base seed comes from this generator, not torch's global one (app/callbacks/random_state.py)
     options.setdefault("generator", torch.Generator().manual_seed(seed))
+    if isinstance(dataset, IterableDataset):
+        if on_device:
+            raise ValueError("on_device=True needs a map-style dataset (dataset[index]), not an IterableDataset")
+        if getattr(dataset, "__len__", None) is not None:
+            # Lightning's warning that a length may count each worker's duplicates: the loader's length is its own
+            warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
+        epoch_of = (lambda: trainer.current_epoch) if trainer is not None else None
+        return StreamLoader(
+            dataset,
+            rank=shard.get("rank", 0),
+            ranks=shard.get("num_replicas", 1),
+            train=train,
+            seed=seed,
+            batch_size=batch_size,
+            epoch_of=epoch_of,
+            **options,
+        )
     if options.get("num_workers", 0) > 0:
         options.setdefault("persistent_workers", True)
     if train:

@@ -22,7 +22,7 @@ from app.checkpoints.atomic import write_text
 from app.errors import TemplateWarning, UserError
 from app.launch.restarts import is_restart
 from app.lightning_internals import batch_count, shift_batch_count
-from app.loader import ResumableLoader, data_parallel_size, devices_per_batch
+from app.loader import TEMPLATE_LOADERS, ResumableLoader, StreamLoader, data_parallel_size, devices_per_batch
 from app.parallelism import parallelism
 
 # Settings Lightning counts in batches per process (when given as a whole number)
@@ -91,7 +91,7 @@ class WorldSizeChange:
         """Line the batches up and keep the global batch; False when the training loader is not the template's
         (then none of this applies, and a warning says which promise the run loses)."""
         loader = train_loader(trainer)
-        if not isinstance(loader, ResumableLoader):
+        if not isinstance(loader, TEMPLATE_LOADERS):
             self._warn_own_loader(trainer, loader, restartable)
             return False
         devices = data_parallel_size(trainer) * devices_per_process(trainer)
@@ -144,7 +144,7 @@ class WorldSizeChange:
                 stacklevel=2,
             )
 
-    def _line_up_batches(self, trainer, loader: ResumableLoader) -> None:
+    def _line_up_batches(self, trainer, loader: ResumableLoader | StreamLoader) -> None:
         """Lightning counts batches per rank; at another world size the restored count names another position.
         Shift its counters (all by the same amount, so its restart logic reads them as before) to the batch the
         re-dealt epoch starts at, so the epoch still ends at ``len(loader)`` and accumulation windows line up."""
