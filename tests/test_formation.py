@@ -73,6 +73,16 @@ def wait_for(condition, timeout: float) -> bool:
     return condition()
 
 
+def read_again(watcher: formation.FormationWatch) -> None:
+    """Returns once ``watcher`` has gone once more through its read of the store (its loop began twice since the
+    call), or has ended (it acted on what it read): a check that nothing happened then rests on a read that
+    happened, not on a sleep."""
+    for _ in range(2):
+        since = time.monotonic()
+        moved = wait_for(lambda since=since: watcher.last_poll > since or not watcher.is_alive(), timeout=30)
+        assert moved, "the watch stopped reading the store"
+
+
 def test_a_rank_that_fails_before_the_group_forms_stops_a_waiting_rank_naming_it_and_why(launch):
     """Rank 1 fails (its line: an unknown flag) while rank 0, the store's host, waits for the group: rank 0's watch
     reads the mark within a second or two, and its line names rank 1, its host and the failed rank's own reason."""
@@ -104,7 +114,7 @@ def test_a_failed_rank_0_opens_the_store_itself_until_the_others_have_read_its_m
     watcher = formation.FormationWatch("127.0.0.1", port, world_size=2, on_failure=seen.append)  # rank 1
     watcher.start()  # nobody listens on the port yet
     try:
-        time.sleep(0.5)
+        read_again(watcher)  # (a try to reach the store)
         assert not seen
         started = time.monotonic()
         formation.announce_failure("no such file: data/FashionMNIST")  # returns once rank 1 has read the mark
@@ -163,7 +173,8 @@ def test_under_torchrun_a_mark_of_an_earlier_round_is_not_read_and_a_worker_with
     store.set(formation.MARK, json.dumps(old))
     watcher, seen = watch(port)
     try:
-        time.sleep(1)  # several reads of the store
+        read_again(watcher)
+        read_again(watcher)  # several reads of the store, the mark there all along
         assert not seen, "an earlier round's mark was read"
         store.delete_key(formation.MARK)
         formation.announce_failure("bad flag")  # restarts left: no mark
@@ -205,13 +216,12 @@ def test_watching_stops_once_the_group_has_formed(launch):
     port = launch(WORLD_SIZE="2", RANK="1")
     store = host_store(port)
     watcher, seen = watch(port)
-    time.sleep(0.5)
+    read_again(watcher)
     watcher.stop()
     watcher.join(timeout=5)
-    assert not watcher.is_alive()
+    assert not watcher.is_alive()  # nothing reads the store any more: a mark left now cannot be seen
     store.set(formation.MARK, json.dumps({"rank": "rank 1", "why": "late", "time": time.time()}))
-    time.sleep(0.5)
-    assert not seen
+    assert not seen and not watcher.is_alive()
 
 
 # ------------------------------------------------------------------------------ a rank killed while the group forms
@@ -269,7 +279,7 @@ def test_a_rank_whose_process_is_gone_from_rank_0s_host_is_lost_at_once(launch):
     store.add(f"{formation.BEAT}1", 1)
     watches = ranks(port, 2, (0,), lost_after=60)
     try:
-        time.sleep(0.6)
+        read_again(watches[0][0])  # rank 0 judged rank 1 alive: its process is there
         assert not watches[0][1]
         sleeper.kill()
         sleeper.wait()
@@ -362,6 +372,9 @@ def node_command(tmp_path, node: int, *more: str) -> list[str]:
     ]  # fmt: skip
 
 
+STOPPED_AFTER_BOUND = 9.0  # s; see the test
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("failing", [1, 0], ids=["node 1 fails", "node 0 fails"])
 def test_two_nodes_started_by_hand_where_one_has_a_bad_flag_both_end_within_seconds(failing, tmp_path):
@@ -382,16 +395,20 @@ def test_two_nodes_started_by_hand_where_one_has_a_bad_flag_both_end_within_seco
                 node_command(tmp_path, node, *bad), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                 env={**env, "NODE_RANK": str(node), "LOCAL_RANK": "0"},
             )  # fmt: skip
-    ended = {}
+    ended, erred, waiting = {}, None, 1 - failing
     try:
-        for node, process in processes.items():
-            process.wait(timeout=120)
-            ended[node] = time.monotonic() - started
+        while len(ended) < 2 and time.monotonic() - started < 120:
+            if erred is None and "error: " in logs[failing].read_text():
+                erred = time.monotonic()  # the failing node's line: its failure, which the other is to learn of
+            for node, process in processes.items():
+                if node not in ended and process.poll() is not None:
+                    ended[node] = time.monotonic() - started
+            time.sleep(0.05)
     finally:
         for process in processes.values():
             process.kill()
     output = {node: log.read_text() for node, log in logs.items()}
-    waiting = 1 - failing
+    assert len(ended) == 2 and erred is not None, (ended, output)
     assert processes[failing].returncode == 2, output[failing][-3000:]
     assert processes[waiting].returncode == 1, output[waiting][-3000:]
     said = "unrecognized arguments: --trainer.max_epoch=1 (did you mean --trainer.max_epochs?)"
@@ -401,11 +418,18 @@ def test_two_nodes_started_by_hand_where_one_has_a_bad_flag_both_end_within_seco
     assert len(lines) == 1 and lines[0].startswith(f"error: {who} on "), output[waiting][-3000:]
     assert said in lines[0]
     assert "Traceback" not in output[waiting]
-    assert ended[waiting] < 60, ended
+    # the other node stops "in seconds" (docs/reliability.md): it reads the store every second, then exits; from the
+    # failing node's line to the other's exit, 1.0 to 2.9 s alone on the 2-core machine (2026-11-29, 6 runs; 1.4 and
+    # 2.2 s beside 2 CPU burners): bounded at 3 times that
+    stopped_after = ended[waiting] - (erred - started)
+    assert stopped_after < STOPPED_AFTER_BOUND, (stopped_after, ended)
     assert ended[failing] < ended[waiting] + 5, ended  # it stays only until the other has read its mark
     left = sorted(str(p.relative_to(tmp_path)) for p in (tmp_path / "runs").rglob("*"))
     assert not left, left
-    print(f"\nthe waiting node ended {ended[waiting]:.1f} s after the start, the failed one {ended[failing]:.1f} s")
+    print(
+        f"\nthe waiting node ended {stopped_after:.1f} s after the failing node's line ({ended[waiting]:.1f} s after "
+        f"the start), the failed one {ended[failing]:.1f} s after the start"
+    )
 
 
 @pytest.mark.slow

@@ -2,6 +2,7 @@
 unbound."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,6 +73,17 @@ def test_self_launched_ranks_are_not_bound_to_one_core_and_split_torchs_threads(
     assert "-x OMP_NUM_THREADS=3" in " ".join(mpirun_command(2))
 
 
+def reading_stdin(pid: int) -> bool:
+    """Whether process ``pid`` is blocked in ``read(0, ...)``: /proc/PID/syscall names the system call a sleeping
+    process is in (x86_64 and aarch64 numbers; the reaper waits there until its launcher is gone)."""
+    try:
+        words = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return False
+    read = {"x86_64": "0", "aarch64": "63"}.get(os.uname().machine)
+    return len(words) > 1 and words[0] == read and int(words[1], 16) == 0
+
+
 def test_the_reaper_ends_the_ranks_and_removes_the_launch_folder_once_the_launcher_is_gone(tmp_path):
     """A SIGKILLed launcher cannot clean up: its reaper sees the pipe close, gives the ranks their grace, SIGKILLs
     what is left (here a stopped "rank", deaf to SIGTERM) and removes the folder with the pickled job; it left the
@@ -94,7 +106,10 @@ def test_the_reaper_ends_the_ranks_and_removes_the_launch_folder_once_the_launch
         rank.send_signal(signal.SIGSTOP)
         script = ROOT / "app" / "strategies" / "launchers" / "_reaper.py"
         reaper = subprocess.Popen([sys.executable, str(script), str(folder), "1"], stdin=subprocess.PIPE)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while not reading_stdin(reaper.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert reading_stdin(reaper.pid), "the reaper never waited on its stdin"
         assert folder.exists() and rank.poll() is None  # the launcher lives: nothing happens
         reaper.stdin.close()  # the launcher is gone
         assert reaper.wait(timeout=30) == 0

@@ -34,7 +34,7 @@ from tests import warm
 from tests.conftest import ROOT
 from tests.parity import TOLERANCE, relative_error
 from tests.record_samples import read_records
-from tests.slurm import SlurmCluster, SlurmError, slurm_available
+from tests.slurm import TERMINAL, SlurmCluster, SlurmError, slurm_available
 from tests.test_elastic import BATCH, SAMPLES, assert_each_sample_once_per_epoch
 from tests.test_elastic import EPOCHS as ELASTIC_EPOCHS
 from tests.test_two_nodes import doc_commands
@@ -190,6 +190,9 @@ def test_the_shipped_sbatch_script_trains_ddp_across_both_nodes_to_one_devices_w
     print(f"sbatch scripts/slurm_multinode.sbatch, ddp on 2 nodes x {TASKS}: {time.monotonic() - started:.1f} s")
 
 
+FAILED_AFTER_BOUND = 9.0  # s; see the test
+
+
 def test_the_shipped_sbatch_script_ends_in_seconds_when_one_nodes_tasks_fail_before_the_group_forms(cluster, tmp_path):
     """``sbatch scripts/slurm_multinode.sbatch`` where node ``b``'s tasks get a mistyped flag (a node whose command,
     files or devices differ): they say so and exit 2 before the process group forms. Node ``a``'s rank 0 says in one
@@ -203,16 +206,20 @@ def test_the_shipped_sbatch_script_ends_in_seconds_when_one_nodes_tasks_fail_bef
     on_b = f"""srun bash -c '{mistyped_on_b}; exec python cli.py fit "$@"' task"""
     script.write_text(text.replace(launch, on_b))
     root = tmp_path / "runs"
+    said = "unrecognized arguments: --trainer.max_epoch=1 (did you mean --trainer.max_epochs?)"
     started = time.monotonic()
     job = submit(cluster, script, *EXACT, *SHORT, f"--trainer.default_root_dir={root}")
-    try:
-        info = cluster.wait(job, states=("FAILED",), timeout=JOB_TIMEOUT)
-    except SlurmError as err:
+    erred, info = None, {}
+    while info.get("JobState") not in ("FAILED", *TERMINAL) and time.monotonic() - started < JOB_TIMEOUT:
+        if erred is None and said in job_output(script, job):
+            erred = time.monotonic()  # b's line: its failure, which node a is to learn of
+        info = cluster.state(job) or info
+        time.sleep(0.1)
+    failed = time.monotonic()
+    if info.get("JobState") != "FAILED" or erred is None:
         cluster.scancel(job)
-        pytest.fail(f"{err}\n--- the job's output:\n{job_output(script, job)[-5000:]}")
-    seconds = time.monotonic() - started
+        pytest.fail(f"job {job}: {info}\n--- the job's output:\n{job_output(script, job)[-5000:]}")
     output = job_output(script, job)
-    said = "unrecognized arguments: --trainer.max_epoch=1 (did you mean --trainer.max_epochs?)"
     assert f"error: {said}" in output, output[-3000:]
     lines = [line for line in output.splitlines() if "failed before the process group formed" in line]
     assert len(lines) == 1, output[-3000:]  # a's first task says it; b's tasks said their own line
@@ -220,7 +227,10 @@ def test_the_shipped_sbatch_script_ends_in_seconds_when_one_nodes_tasks_fail_bef
     assert "Traceback" not in output, output[-3000:]
     assert info["ExitCode"] != "0:0"
     assert not list(root.glob("lightning_logs/version_*")), list(root.rglob("*"))
-    print(f"\nthe job FAILED {seconds:.1f} s after sbatch")
+    # "the job FAILED in seconds" (docs/multi-node.md): from b's line, 2.2 to 2.8 s alone on the 2-core machine
+    # (2026-11-29, 3 runs; 3.6 s beside 2 CPU burners), 14 to 16.5 s after sbatch: bounded at 3 times that
+    assert failed - erred < FAILED_AFTER_BOUND, (failed - erred, failed - started)
+    print(f"\nthe job FAILED {failed - erred:.1f} s after b's line, {failed - started:.1f} s after sbatch")
 
 
 def model_parallel_command(strategy: str) -> list[str]:

@@ -199,6 +199,9 @@ def test_nodes_started_by_hand_train_across_two_nodes_with_the_docs_commands(nod
     assert_trained_across_both_nodes(root, nodes, before, logs)
 
 
+ENDED_AFTER_BOUND = 7.0  # s; see the test
+
+
 @pytest.mark.slow
 def test_a_node_whose_command_fails_before_the_group_forms_ends_the_other_nodes_run_within_seconds(nodes, tmp_path):
     """docs/multi-node.md's torchrun commands, node ``b``'s with a mistyped flag: b's worker says so and fails before
@@ -212,16 +215,25 @@ def test_a_node_whose_command_fails_before_the_group_forms_ends_the_other_nodes_
     for node, words in zip(nodes.nodes, commands, strict=True):
         logs[node.name] = tmp_path / f"{node.name}.log"
         processes[node.name] = node.popen(words, log=logs[node.name], env=node_env(), cwd=ROOT)
-    wait_all(processes, logs, timeout=120, grace=60)
-    seconds = time.monotonic() - started
+    said = "unrecognized arguments: --trainer.max_epoch=1 (did you mean --trainer.max_epochs?)"
+    erred = None
+    while time.monotonic() - started < 120 and any(p.poll() is None for p in processes.values()):
+        if erred is None and said in logs["b"].read_text():
+            erred = time.monotonic()  # b's line: its failure, which node a is to learn of
+        time.sleep(0.05)
+    wait_all(processes, logs, timeout=0)
+    ended = time.monotonic()
+    seconds = ended - started
     output = {name: log.read_text() for name, log in logs.items()}
     assert processes["a"].returncode != 0 and processes["b"].returncode != 0, output
-    said = "unrecognized arguments: --trainer.max_epoch=1 (did you mean --trainer.max_epochs?)"
     assert f"error: {said}" in output["b"], output["b"][-3000:]
     [line] = [line for line in output["a"].splitlines() if "failed before the process group formed" in line]
     assert line.startswith("error: rank 1 on b failed before the process group formed") and said in line, line
-    assert seconds < 60, seconds
-    print(f"\nboth nodes ended {seconds:.1f} s after the start")
+    # "within seconds": from b's line until both torchruns have exited, 1.9 to 2.3 s alone on the 2-core machine
+    # (2026-11-29, 3 runs), 7.5 to 9.5 s after the start: bounded at 3 times that
+    assert erred is not None, output["b"][-3000:]
+    assert ended - erred < ENDED_AFTER_BOUND, (ended - erred, seconds)
+    print(f"\nboth nodes ended {ended - erred:.1f} s after b's line, {seconds:.1f} s after the start")
 
 
 @pytest.mark.slow
