@@ -34,6 +34,7 @@ from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 from typing_extensions import override
 
+from app.lightning_internals import batch_count
 from app.parallelism import parallelism
 
 
@@ -230,6 +231,7 @@ class StreamLoader(DataLoader):
         seed: int = 0,
         batch_size: int = 1,
         epoch_of: Callable[[], int] | None = None,
+        batches_taken: Callable[[], int] | None = None,
         **options: Any,
     ) -> None:
         options.setdefault("generator", torch.Generator())  # seeded per epoch in __iter__
@@ -239,6 +241,10 @@ class StreamLoader(DataLoader):
         )
         self.stream, self.seed, self.train = stream, seed, train
         self._epoch_of = epoch_of  # the epoch about to run (the trainer's), else the count of passes so far
+        # the batches of the epoch that training has taken (the trainer's count): a stream without a length is read a
+        # batch ahead by Lightning (to know which batch is its last), and that batch is not consumed yet
+        self._batches_taken = batches_taken
+        self._started_at = (0, 0)  # (batch, global position) where this pass over the epoch began
         self._passes = 0
         self._resume_at: tuple[int, int] | None = None  # (epoch, global position)
         self.epoch = 0
@@ -266,6 +272,7 @@ class StreamLoader(DataLoader):
         self.dataset.skip = skip
         self.epoch, self.consumed = epoch, skip
         self.batch = skip // (self.batch_size * self.dataset.ranks)
+        self._started_at = (self.batch, skip)
         self.generator.manual_seed(hash((self.seed, epoch, self.dataset.rank)) & 0x7FFF_FFFF_FFFF_FFFF)
         for batch in super().__iter__():
             self.batch += 1
@@ -277,7 +284,12 @@ class StreamLoader(DataLoader):
         return hash((self.seed, self.epoch, self.batch, self.dataset.rank)) & 0x7FFF_FFFF_FFFF_FFFF
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "batches": self.batch, "samples": self.consumed, "world_size": self.dataset.ranks}
+        batch, consumed = self.batch, self.consumed
+        if self._batches_taken is not None and self._batches_taken() < batch:  # one fetched ahead, not trained yet
+            started_batch, started_at = self._started_at
+            batch = self._batches_taken()
+            consumed = started_at + (batch - started_batch) * self.batch_size * self.dataset.ranks
+        return {"epoch": self.epoch, "batches": batch, "samples": consumed, "world_size": self.dataset.ranks}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self._resume_at = (state["epoch"], state["samples"])
@@ -334,6 +346,7 @@ def make_loader(
             # Lightning's warning that a length may count each worker's duplicates: the loader's length is its own
             warnings.filterwarnings("ignore", message="Your `IterableDataset` has `__len__` defined")
         epoch_of = (lambda: trainer.current_epoch) if trainer is not None else None
+        taken = (lambda: batch_count(trainer)) if trainer is not None and train else None
         return StreamLoader(
             dataset,
             rank=shard.get("rank", 0),
@@ -342,6 +355,7 @@ def make_loader(
             seed=seed,
             batch_size=batch_size,
             epoch_of=epoch_of,
+            batches_taken=taken,
             **options,
         )
     if options.get("num_workers", 0) > 0:

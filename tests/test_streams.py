@@ -193,6 +193,11 @@ STREAMED = "--data=tests.test_streams.StreamedTinyData"
     [
         ("ddp, a stream with a length, dropout", (STREAMED, *STRATEGIES["ddp"], *DROPOUT)),
         ("one device, no length, 2 workers", (STREAMED, "--data.sized=false", "--data.workers=2", *DROPOUT)),
+        # whole epochs of a stream without a length: Lightning reads a batch ahead of training (to know the last one)
+        (
+            "ddp, no length, whole epochs",
+            (STREAMED, "--data.sized=false", *STRATEGIES["ddp"], *DROPOUT, "--trainer.limit_train_batches=1.0"),
+        ),
     ],
 )
 def test_a_streamed_run_stopped_mid_epoch_resumes_bitwise_an_unbroken_one(tmp_path, name, task):
