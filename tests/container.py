@@ -245,3 +245,19 @@ class Pace(Callback):
             deadline = time.monotonic() + self.seconds
             while time.monotonic() < deadline and not (preemption is not None and preemption.received):
                 time.sleep(0.05)
+
+
+class Where(Callback):
+    """Test-only, run inside the container: each rank writes ``rank<N>.json`` into ``folder`` when training starts:
+    its host name, world size and node rank."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import json
+        import socket
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        where = {"host": socket.gethostname(), "world_size": trainer.world_size, "node_rank": trainer.node_rank}
+        (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(where))

@@ -179,23 +179,30 @@ class PodJob:
 
     pods: int  # WORLD_SIZE
     index: int  # RANK
-    processes_per_pod: int  # NPROC_PER_NODE where the platform sets it, else 1
+    processes_per_pod: int  # NPROC_PER_NODE where the platform sets it, else 1 (-1 in each: not a number)
 
 
 def pod_job() -> PodJob | None:
     """This process's pod when ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE`` and ``RANK`` are set and no launcher
     started it (no torchrun, Lightning's own ddp ranks, SLURM task or MPI rank), else None. Lightning alone takes
-    such a process for a run of its own: every pod trained alone, with no word."""
+    such a process for a run of its own: every pod trained alone, with no word. Also a local rank that Lightning's
+    launcher started in a pod of ``NPROC_PER_NODE`` processes (app/launch/pods.py gave it ``NODE_RANK``, no
+    ``RANK``)."""
     env = os.environ
-    if not all(env.get(var, "").strip() for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")):
+    if not all(env.get(var, "").strip() for var in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")):
         return None
-    launched = any(var in env for var in ("TORCHELASTIC_RUN_ID", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"))
-    if launched or env.get("SLURM_STEP_ID") or launcher_ranks() is not None:
+    if any(var in env for var in ("TORCHELASTIC_RUN_ID", "GROUP_RANK")) or env.get("SLURM_STEP_ID"):
         return None
-    if not (env["WORLD_SIZE"].isdigit() and env["RANK"].isdigit()):
+    if launcher_ranks() is not None:
         return None
-    per_pod = env.get("NPROC_PER_NODE", "1")
-    return PodJob(int(env["WORLD_SIZE"]), int(env["RANK"]), int(per_pod) if per_pod.isdigit() else 1)
+    per_pod = _number(env.get("NPROC_PER_NODE", "").strip() or "1", -1)
+    if "LOCAL_RANK" in env or "NODE_RANK" in env:  # Lightning's launcher, or a node started by hand
+        if per_pod > 1 and "RANK" not in env and "LOCAL_RANK" in env and "NODE_RANK" in env:
+            return PodJob(_number(env["WORLD_SIZE"], 0) // per_pod, _number(env["NODE_RANK"], -1), per_pod)
+        return None
+    if not env.get("RANK", "").strip():
+        return None
+    return PodJob(_number(env["WORLD_SIZE"].strip(), -1), _number(env["RANK"].strip(), -1), per_pod)
 
 
 def _number(text: str | None, default: int) -> int:

@@ -235,7 +235,7 @@ class CLI(CkptPathRule, LightningCLI):
             take_launcher_numbers(config.trainer, job, devices_given, continuing=bool(continued))
         elif (slurm := slurm_job()) is not None and launcher_ranks() is None:  # (mpirun in an allocation: its own)
             take_slurm_numbers(config.trainer, slurm, devices_given)
-        elif (pod := pod_job()) is not None:  # a PyTorchJob's pod: one process, no launcher
+        elif (pod := pod_job()) is not None:  # a PyTorchJob's pod: no launcher
             take_pod_numbers(config.trainer, pod, devices_given)
         mpi = launcher_ranks()
         if mpi is not None and _rank_has_own_gpu(config.trainer, mpi[3], devices_given):
