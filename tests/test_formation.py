@@ -364,10 +364,10 @@ def test_a_rank_that_cannot_reach_the_groups_store_says_what_it_waits_for_once(l
 
 
 # ------------------------------------------------------------------------------------------------ real processes
-def node_command(tmp_path, node: int, *more: str) -> list[str]:
+def node_command(tmp_path, node: int, *more: str, strategy: str = "ddp") -> list[str]:
     return [
         sys.executable, str(ROOT / "cli.py"), "fit", "--config", str(ROOT / "tests" / "tiny.yaml"),
-        "--trainer.strategy=ddp", "--trainer.num_nodes=2", "--trainer.devices=1",
+        f"--trainer.strategy={strategy}", "--trainer.num_nodes=2", "--trainer.devices=1",
         f"--trainer.default_root_dir={tmp_path / 'runs'}", *more,
     ]  # fmt: skip
 
@@ -376,12 +376,16 @@ STOPPED_AFTER_BOUND = 9.0  # s; see the test
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("failing", [1, 0], ids=["node 1 fails", "node 0 fails"])
-def test_two_nodes_started_by_hand_where_one_has_a_bad_flag_both_end_within_seconds(failing, tmp_path):
-    """Two ``cli.py fit`` processes as two nodes of one ddp run (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``),
-    run from a folder outside the repository; one has a mistyped flag. It says so and exits 2; the other, waiting in
+@pytest.mark.parametrize(
+    ("failing", "strategy"),
+    [(1, "ddp"), (0, "ddp"), (1, "fsdp"), (1, "pipeline")],
+    ids=["node 1 fails", "node 0 fails", "node 1 fails, fsdp", "node 1 fails, pipeline"],
+)
+def test_two_nodes_started_by_hand_where_one_has_a_bad_flag_both_end_within_seconds(failing, strategy, tmp_path):
+    """Two ``cli.py fit`` processes as two nodes of one run (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_RANK``), run
+    from a folder outside the repository; one has a mistyped flag. It says so and exits 2; the other, waiting in
     ``init_process_group``, says in one line which rank failed and why, and exits 1, seconds later (torch would wait
-    30 minutes). Nothing is written."""
+    30 minutes). Nothing is written. The same under fsdp and pipeline, whose group forms as ddp's does."""
     port = find_free_network_port()
     base = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env = {**base, "PYTHONPATH": str(ROOT), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # no WORLD_SIZE
@@ -392,7 +396,8 @@ def test_two_nodes_started_by_hand_where_one_has_a_bad_flag_both_end_within_seco
         logs[node] = tmp_path / f"node{node}.log"
         with open(logs[node], "w") as log:
             processes[node] = subprocess.Popen(
-                node_command(tmp_path, node, *bad), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                node_command(tmp_path, node, *bad, strategy=strategy), cwd=tmp_path, stdout=log,
+                stderr=subprocess.STDOUT,
                 env={**env, "NODE_RANK": str(node), "LOCAL_RANK": "0"},
             )  # fmt: skip
     ended, erred, waiting = {}, None, 1 - failing

@@ -9,8 +9,8 @@ every rank itself). So:
   says why (:func:`announce_failure`, called by ``cli.py``'s ``main`` and by an uncaught exception). Rank 0, whose
   store does not exist yet, hosts one itself for up to :data:`HOLD` seconds, until every other rank has read it;
   another rank waits up to :data:`POST_WAIT` seconds for rank 0's store to open;
-- every rank, while its group forms (:class:`FormationWatch`, started by the template's ``DDPStrategy``, which the
-  fsdp and pipeline strategies extend), reads the store every second. On a mark it says in one line which rank
+- every rank, while its group forms (:class:`FormationWatch`, started by ``formation_watched`` in the template's
+  ddp, fsdp and pipeline strategies), reads the store every second. On a mark it says in one line which rank
   failed and why, and exits with code 1: the main thread is blocked inside ``init_process_group``, where nothing
   can be raised into it.
 

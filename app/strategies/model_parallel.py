@@ -52,6 +52,16 @@ class SplitModelStrategy(DDPStrategy):
         super()._configure_launcher()
 
     @override
+    def setup_environment(self) -> None:
+        # As the template's ddp: a rank that fails or is killed before the group forms stops the others in seconds
+        from app.launch.startup import install
+        from app.strategies.ddp import formation_watched
+
+        install()
+        with formation_watched(self):
+            super().setup_environment()
+
+    @override
     def setup(self, trainer) -> None:
         super().setup(trainer)  # fitting: configure_ddp() splits the model before the optimizers are made
         if trainer.state.fn != TrainerFn.FITTING:  # test / validate / predict
