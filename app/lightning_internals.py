@@ -26,7 +26,7 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    :func:`shift_batch_count` (an elastic restart lines the batch count up with the
    re-dealt loader), :func:`fit_loop_state` (the loops' state after a step); and its training loader:
    :func:`apply_loader_position` (a loader built before the restore gets its saved position).
-8. The layout of ``checkpoint["loops"]``: :func:`epochs_done`, :func:`validation_progress`,
+8. The layout of ``checkpoint["loops"]``: :func:`epochs_done`,
    :func:`fit_loop_of`, :func:`restart_validation` (a stop or a lost rank in validation
    restarts it in full), :func:`validation_follows` and :func:`resume_into_validation` (one right before a
    validation runs it), :func:`put_fit_loop_state` (the state of the last completed step).
@@ -332,11 +332,6 @@ def epochs_done(checkpoint: dict) -> int:
     """Epochs the checkpoint's fit had completed (0 when it holds no loop state)."""
     epochs = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("current", {})
     return int(epochs.get("processed", 0))
-
-
-def validation_progress(checkpoint: dict) -> dict:
-    """The (mutable) batch counters of the validation inside fit, as the checkpoint stores them."""
-    return checkpoint["loops"]["fit_loop"]["epoch_loop.val_loop.batch_progress"]
 
 
 def restart_validation(fit_loop: dict) -> None:

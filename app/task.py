@@ -169,12 +169,6 @@ def count_samples(batch: Any) -> int:
     return 0
 
 
-def batch_samples(module: Any, batch: Any) -> int:
-    """Samples in ``batch``, by the module's spec when it says how, else :func:`count_samples`."""
-    counter = spec_of(module).samples
-    return int(counter(batch)) if counter is not None else count_samples(batch)
-
-
 def _read(declared: Callable[[Any], Any] | None, holder: Any, attribute: str) -> Any:
     """What a spec's reader returns for ``holder``, else (no reader declared) ``holder``'s attribute of that name."""
     return declared(holder) if declared is not None else getattr(holder, attribute, None)

@@ -81,12 +81,12 @@ FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (
     "tests/test_layers.py": 10,
     "tests/test_pods.py": 60,  # two cli.py processes as two pods: 29 s alone (2026-11-29)
     "tests/test_streams.py": 100,  # 6 cli.py runs of a streamed tiny task: 53 s alone (2026-11-29)
-    "tests/fashion_mnist/test_kubernetes.py": 360,  # the image's pods on two namespace nodes: 160 s alone (2026-11-29)
+    "tests/test_kubernetes.py": 360,  # the image's pods on two namespace nodes: 160 s alone (2026-11-29)
     "tests/fashion_mnist/test_shards.py": 90,  # cli.py shards and 3 ddp runs on the shards: 45 s alone (2026-11-29)
 }
 REQUIRED_RUNS = {  # group -> (its files, the fewest of their tests a whole run under CI must run)
     "slurm": (("tests/test_slurm.py", "tests/test_slurm_training.py", "tests/test_slurm_docs.py"), 20),  # of 22
-    "container": (("tests/fashion_mnist/test_container.py", "tests/fashion_mnist/test_kubernetes.py"), 14),  # of 15
+    "container": (("tests/fashion_mnist/test_container.py", "tests/test_kubernetes.py"), 14),  # of 15
     "two-node": (("tests/test_two_nodes.py",), 14),  # of 16
 }
 EXPECTED_SKIPS = (

@@ -215,6 +215,13 @@ def started(*args: str, log: Path) -> Iterator[tuple[str, subprocess.Popen]]:
             process.wait()
 
 
+def volume(folder: Path, uid: int) -> Path:
+    """A host folder for ``-v``, writable by ``uid`` as docs/docker.md asks (``mkdir -p``, owned by that user)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chown(folder, uid, uid)
+    return folder
+
+
 def wait_for_line(log: Path, text: str, process: subprocess.Popen, timeout: float) -> None:
     """Until ``text`` is in ``log``; fails if the process ends first or the time runs out."""
     deadline = time.monotonic() + timeout

@@ -26,7 +26,7 @@ from app.checkpoints.run_folders import release_if_unused
 from app.run.arguments import Parser
 from app.run.checks import names_class
 from app.run.defaults import checkpoint_options
-from app.task import TaskSpec, batch_samples, count_samples, spec_of
+from app.task import TaskSpec, count_samples, spec_of
 from tests import warm
 from tests.conftest import ROOT, TINY_TASK
 from tests.test_as_users_run_it import noise, run
@@ -296,11 +296,6 @@ def test_count_samples_reads_any_usual_batch():
     assert count_samples({"x": torch.zeros(3, 16, 4), "y": torch.zeros(3)}) == 3
     assert count_samples([{"ids": torch.zeros(2, 7)}]) == 2
     assert count_samples("text") == 0
-
-    class Counted:
-        spec = TaskSpec(samples=lambda batch: batch["n"])
-
-    assert batch_samples(Counted(), {"n": 9, "x": torch.zeros(2)}) == 9
 
 
 def test_spec_defaults_and_a_wrong_spec():

@@ -2,7 +2,7 @@
 runs the image's entrypoint once, with ``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE`` (pods) and ``RANK`` (its index)
 and no launcher (app/launch/pods.py). Two "pods" here are two processes on this machine given exactly that
 environment, started from another working directory; they train one run together. (Each pod as a podman container
-of the image on a node of its own: tests/fashion_mnist/test_kubernetes.py.)"""
+of the image on a node of its own: tests/test_kubernetes.py.)"""
 
 import os
 import re
@@ -126,9 +126,9 @@ KUBERNETES_DOC = ROOT / "docs" / "kubernetes.md"
 
 def test_the_docs_manifests_start_the_pods_as_the_tests_do():
     """docs/kubernetes.md's PyTorchJob and TrainJob parse, and what the template relies on in them is what
-    tests/fashion_mnist/test_kubernetes.py runs the image with: the command, ``--ckpt_path=last``, the volumes'
+    tests/test_kubernetes.py runs the image with: the command, ``--ckpt_path=last``, the volumes'
     mount points, shared memory, the restart policy; every variable the page names is one those tests set."""
-    from tests.fashion_mnist import test_kubernetes as pods
+    from tests import test_kubernetes as pods
 
     text = KUBERNETES_DOC.read_text()
     blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]

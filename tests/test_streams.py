@@ -94,6 +94,7 @@ def test_evaluation_takes_every_item_once_however_uneven():
     assert [len(t) for t in taken] == [4, 3, 3] and [len(loader) for loader in made] == [1, 1, 1]
 
 
+@pytest.mark.slow  # 4 DataLoader worker processes: 0.6 to 1.2 CPU-s (over the fast tests' 1 under load)
 def test_workers_hand_out_the_batches_one_process_would():
     alone = take(loaders(2, 64))
     assert take(loaders(2, 64, num_workers=2)) == alone

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests import container
-from tests.container import IMAGE
+from tests.container import IMAGE, volume
 from tests.test_reliability import assert_same_weights, last_ckpt, metrics, versions
 
 REASON = container.missing()
@@ -47,13 +47,6 @@ def owned_by(folder: Path, uid: int) -> None:
     """``folder`` and everything in it belongs to ``uid``."""
     for path in [folder, *folder.rglob("*")]:
         assert path.lstat().st_uid == uid, (path, path.lstat().st_uid)
-
-
-def volume(folder: Path, uid: int) -> Path:
-    """A host folder for ``-v``, writable by ``uid`` as docs/docker.md asks (``mkdir -p``, owned by that user)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    os.chown(folder, uid, uid)
-    return folder
 
 
 def test_the_dockerfile_builds_a_lean_image_that_runs_as_uid_1000(built):

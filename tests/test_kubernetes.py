@@ -20,8 +20,7 @@ import pytest
 
 from tests import container
 from tests.chaos import TOLERANCE
-from tests.container import IMAGE
-from tests.fashion_mnist.test_container import volume
+from tests.container import IMAGE, volume
 from tests.netns import TwoNodes, netns_available
 from tests.record_samples import read_records, step_losses
 from tests.test_reliability import assert_same_weights, last_ckpt, metrics, versions
