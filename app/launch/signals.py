@@ -81,16 +81,6 @@ def stopped_exit_code(err: BaseException) -> int | None:
 # ------------------------------------------------------------------------------------------------ mpirun's ranks
 
 
-def _die_with_parent() -> None:
-    """In mpirun, before exec: the kernel sends it SIGTERM when the launching process dies (Linux only)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 OUTLIVE = 30.0  # seconds an mpirun may run on after its last rank exited (it normally exits within one)
 HUNG = 124  # the exit code of an mpirun ended for outliving its ranks (timeout(1)'s code for "ended by us")
 
@@ -133,17 +123,19 @@ class StopSignals:
         cleanup: Callable[[], None],
         ranks_running: Callable[[], bool] | None = None,
         outlive: float = OUTLIVE,
+        started: Callable[[int], None] | None = None,
     ) -> tuple[int, int]:
         """Run ``cmd`` (mpirun), passing signals on to the processes ``pids()`` names (its ranks, which appear one by
-        one), then ``cleanup()``. Returns (exit code, the first signal received or 0).
+        one), then ``cleanup()``. Returns (exit code, the first signal received or 0). ``started(pid)`` is told the
+        pid of ``cmd`` as soon as it runs (for the launch's reaper, which stops it should this process die).
 
         An mpirun that outlives all its ranks by ``outlive`` seconds (``ranks_running()`` was true, then stayed
         false) is hung: seen with Open MPI 5, whose prterun printed "Abort is in progress...hit ctrl-c again" after
         a rank was lost in a save, and waited for good. It is killed with its session, and the launch fails
         (:data:`HUNG`), so that the launcher restarts the ranks or says why not."""
-        process = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent
-        )
+        process = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        if started is not None:
+            started(process.pid)
         seen, gone_since, looked = False, None, 0.0
         try:
             while True:

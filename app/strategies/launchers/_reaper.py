@@ -3,10 +3,12 @@
 :class:`app.strategies.launchers.mpirun.MPIRunLauncher` starts this next to mpirun, in a session of its own, with a pipe
 on its standard input that only the launcher holds. The pipe reaches end-of-file when the launcher exits, however it
 exits (SIGKILL included). A launcher that finished has removed its launch folder already, and this does nothing.
-Otherwise mpirun got SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and passes it to the ranks, which stop with a
-checkpoint: this waits for them (up to ``GRACE`` seconds), SIGKILLs any left (a rank stopped with SIGSTOP ignores
-SIGTERM), and removes the folder, which holds the pickled job. It imports nothing of the template (no torch): it sleeps
-for the whole run.
+Otherwise this sends mpirun (its pid in the folder's ``mpirun.pid``) SIGTERM, which it passes to the ranks, which stop
+with a checkpoint: this waits for them (up to ``GRACE`` seconds), SIGKILLs any left (a rank stopped with SIGSTOP
+ignores SIGTERM), and removes the folder, which holds the pickled job. (It was the kernel's ``PR_SET_PDEATHSIG``, set
+with ctypes in a ``preexec_fn`` while the launcher's threads ran, which Python's documentation calls unsafe; and the
+kernel sends it when the thread that started mpirun ends, not the process.) It imports nothing of the template (no
+torch): it sleeps for the whole run.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 from pathlib import Path
 
 GRACE = 60.0  # seconds the ranks get to stop with their checkpoint after the launcher died
+MPIRUN_PID = "mpirun.pid"  # in the launch folder: the launcher's mpirun of the moment
 WORKER = b"app.strategies.launchers._mpi_worker"  # the rank program's module, in each rank's command line
 
 
@@ -95,11 +98,24 @@ def running(pid: int) -> bool:
     return False
 
 
+def stop_mpirun(folder: Path) -> None:
+    """SIGTERM to the launch's mpirun, which passes it on to the ranks; nothing where it has gone (or its pid now
+    names another process: mpirun's command line holds the launch's job file)."""
+    try:
+        pid = int((folder / MPIRUN_PID).read_text())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if str(folder / "job.pkl").encode() in f.read():
+                os.kill(pid, signal.SIGTERM)
+    except (OSError, ValueError):
+        pass
+
+
 def main(folder: Path, grace: float = GRACE) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the launcher
     sys.stdin.buffer.read()  # until the launcher exits
     if not folder.exists():
         return  # it finished and cleaned up
+    stop_mpirun(folder)
     deadline = time.monotonic() + grace
     while rank_pids(folder) and time.monotonic() < deadline:
         time.sleep(0.5)

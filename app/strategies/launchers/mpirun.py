@@ -36,7 +36,7 @@ from app.errors import Diverged, Preempted, UserError
 from app.launch.launcher import MPI_RESTART, MPI_RESTARTS_LEFT, launcher_ranks, mpi_job_id, rendezvous_address
 from app.launch.signals import HUNG, StopSignals, process_alive
 from app.lightning_internals import ResultsLauncher, resume_from
-from app.strategies.launchers._reaper import kill_ranks, launch_running, rank_pids
+from app.strategies.launchers._reaper import MPIRUN_PID, kill_ranks, launch_running, rank_pids
 
 
 class MPILaunchEnvironment(ClusterEnvironment):
@@ -279,6 +279,7 @@ class MPIRunLauncher(ResultsLauncher):
             pids=lambda: rank_pids(workdir),
             cleanup=lambda: end_leftover_ranks(workdir),
             ranks_running=lambda: launch_running(workdir),
+            started=lambda pid: write_mpirun_pid(workdir, pid),
         )
         if not signum and (workdir / PREEMPTED).exists():  # the ranks were signalled directly
             signum = int((workdir / PREEMPTED).read_text())
@@ -397,6 +398,13 @@ def start_reaper(workdir: Path) -> subprocess.Popen:
         start_new_session=True,
         close_fds=True,
     )
+
+
+def write_mpirun_pid(workdir: Path, pid: int) -> None:
+    """``MPIRUN_PID`` in the launch folder, whole or not at all (the reaper reads it)."""
+    partial = workdir / f"{MPIRUN_PID}.partial"
+    partial.write_text(str(pid))
+    partial.replace(workdir / MPIRUN_PID)
 
 
 def stop_reaper(reaper: subprocess.Popen) -> None:
