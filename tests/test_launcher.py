@@ -2,6 +2,9 @@
 unbound."""
 
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -278,3 +281,26 @@ def test_a_process_that_torchrun_did_not_start_has_no_agent(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     assert torchrun_agent() is None
+
+
+@pytest.mark.slow
+def test_a_quiet_worker_waits_for_its_nodes_first_process_to_exit_and_no_longer(tmp_path):
+    """A worker that does not print a bad-input error (app/run/cli.py) waits for its node's local rank 0, a sibling
+    under the same launcher, to exit (it prints the line) instead of a fixed 15 s; with no such sibling, not at all.
+    Here this test is the launcher: local rank 0 lives 2 s, local rank 1 waits for it."""
+    waiter = (
+        "import time; from app.launch.launcher import wait_for_first_on_node as w; t = time.monotonic(); w(30); "
+        "print(time.monotonic() - t)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK" and not k.startswith(("OMPI_", "PMI", "HOROVOD_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    first = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"], env={**env, "LOCAL_RANK": "0"})
+    started = time.monotonic()
+    quiet = subprocess.run([sys.executable, "-c", waiter], env={**env, "LOCAL_RANK": "1"}, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert quiet.returncode == 0, quiet.stderr
+    assert first.poll() is not None and time.monotonic() - started < 20  # it returned once the first had gone
+    first.wait()
+    alone = subprocess.run([sys.executable, "-c", waiter], env={**env, "LOCAL_RANK": "1"}, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+    assert float(alone.stdout) < 1.0, alone.stdout  # no sibling: at once

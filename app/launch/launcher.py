@@ -8,6 +8,7 @@ this a torchrun worker that may be restarted" asks here.
 from __future__ import annotations
 
 import os
+import select
 import signal
 from dataclasses import dataclass
 
@@ -29,6 +30,46 @@ def launcher_ranks() -> tuple[int, int, int, int] | None:
             # srun with PMI (SLURM's MpiDefault=pmi2) sets PMI_SIZE and PMI_RANK but no local rank: SLURM says it
             local = env.get(local_rank, env.get("SLURM_LOCALID", env[rank]))
             return world, int(env[rank]), int(local), int(env.get(local_size) or slurm_tasks_per_node() or world)
+    return None
+
+
+def wait_for_first_on_node(timeout: float) -> None:
+    """Until this node's first process (local rank 0, started by the same launcher as this one) has exited, at most
+    ``timeout`` seconds; at once where there is none, or it cannot be told (no ``/proc``, no pidfd: Linux < 5.3)."""
+    pid = _first_on_node_sibling()
+    if pid is None:
+        return
+    try:
+        fd = os.pidfd_open(pid)
+    except (OSError, AttributeError):  # gone already; or no pidfd
+        return
+    try:
+        select.select([fd], [], [], timeout)  # a pidfd is readable once its process has exited
+    finally:
+        os.close(fd)
+
+
+def _first_on_node_sibling() -> int | None:
+    """The pid of the process that shares this one's parent (torchrun's agent, mpirun or its node's daemon) and is
+    local rank 0 by the launcher's variable, from ``/proc``; None where there is none."""
+    env = os.environ
+    variable = next((local for size, rank, local, _ in _LAUNCHER_VARS if size in env and rank in env), "LOCAL_RANK")
+    variable = variable.encode()
+    parent, me = os.getppid(), os.getpid()
+    try:
+        entries = [int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != me]
+    except OSError:
+        return None
+    for pid in entries:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if int(f.read().rpartition(")")[2].split()[1]) != parent:
+                    continue
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if variable + b"=0" in f.read().split(b"\0"):
+                    return pid
+        except (OSError, ValueError, IndexError):
+            continue
     return None
 
 

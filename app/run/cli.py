@@ -16,7 +16,6 @@ import importlib
 import os
 import re
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -48,6 +47,7 @@ from app.launch.launcher import (
     pod_job,
     slurm_job,
     torchrun_job,
+    wait_for_first_on_node,
 )
 from app.launch.library_noise import HeldRecords
 from app.launch.pods import take_pod_numbers
@@ -321,7 +321,7 @@ def check_subcommand(argv: list[str], names: list[str]) -> None:
         raise UserError(f"unknown subcommand {argv[0]!r}{hint}: choose from {', '.join(names)}; see cli.py --help")
 
 
-QUIET_RANK_WAIT = 15.0  # seconds a worker that does not print a bad-input error waits before it exits 2
+QUIET_RANK_WAIT = 15.0  # at most this long a worker that does not print a bad-input error waits for one that does
 
 
 def main(
@@ -363,8 +363,8 @@ def main(
         if not first_on_node() and (torchrun_job() is not None or launcher_ranks() is not None):
             # torchrun and mpirun end every worker once one fails: the first of the node (which says why) could be
             # ended before it printed its line, when this one, quiet, failed first (seen under load: no line at all).
-            # Waiting here lets it fail first; the launcher then ends this one.
-            time.sleep(QUIET_RANK_WAIT)
+            # Waiting here for it to exit lets it fail first; the launcher then ends this one.
+            wait_for_first_on_node(QUIET_RANK_WAIT)
         sys.exit(2)
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
