@@ -42,7 +42,7 @@ NEW_FILE_SECONDS = 60
 FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (2 workers)
     "tests/test_elastic.py": 750,
     "tests/test_as_users_run_it.py": 750,
-    "tests/test_reliability.py": 520,
+    "tests/test_reliability.py": 600,  # + 5 stopped evaluations: 66 s alone (2026-11-29)
     "tests/test_two_nodes.py": 630,
     "tests/test_slurm_docs.py": 450,  # 5 SLURM jobs: 178 s alone, ~300 s beside other work (2026-11-28), x1.5
     "tests/test_slurm_training.py": 700,  # 15 SLURM jobs, requeued and resumed: 390 s beside other work (2026-11-28)

@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from lightning.pytorch import Callback
 
 from app.checkpoints.io import atomic_torch_save, load_checkpoint, safe_torch_load
 from app.errors import UserError
@@ -593,6 +594,71 @@ def test_external_sigterm_to_rank0_of_ddp_stops_every_rank_within_30_s(workdir):
     assert code == 143, log.read_text()[-3000:]
     assert "received SIGTERM" in log.read_text()
     load_checkpoint(last)  # loads (weights_only) and is ours
+
+
+class SlowEvaluation(Callback):
+    """Test-only: rank 0 says each evaluation batch it finishes, and every rank takes half a second a batch."""
+
+    def _batch(self, trainer, batch_idx: int) -> None:
+        if trainer.global_rank == 0:
+            print(f"evaluated batch {batch_idx}", file=sys.stderr, flush=True)
+        time.sleep(0.5)
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._batch(trainer, batch_idx)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._batch(trainer, batch_idx)
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._batch(trainer, batch_idx)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "command", "how"),
+    [
+        ("ddp", "validate", "SIGTERM"),
+        ("ddp", "test", "Ctrl-C"),
+        ("ddp_spawn", "test", "SIGTERM"),
+        ("horovod", "predict", "Ctrl-C"),
+        ("horovod", "validate", "SIGTERM"),
+    ],
+)
+def test_a_stop_signal_ends_validate_test_and_predict_at_once_on_every_rank(strategy, command, how, tmp_path):
+    """validate, test and predict have nothing to save: SIGTERM to the process a user started (``docker stop``) or
+    Ctrl-C (the terminal's SIGINT to the whole group) ends every rank within seconds, with one line and the signal's
+    exit code. Before, Ctrl-C was ignored under ddp_spawn and the horovod self-launch (their ranks keep a signal that
+    comes while they start for Preemption, which only training took up: they evaluated to the end), and under ddp a
+    SIGTERM stopped rank 0 alone and left rank 1 waiting for it for good."""
+    log = tmp_path / "run.log"
+    cmd = [sys.executable, str(ROOT / "cli.py"), command, "--config", str(TINY_CONFIG), "--data.val_size=2048",
+           "--data.test_size=2048", f"--trainer.strategy={strategy}", "--trainer.devices=2",
+           "--trainer.limit_val_batches=60", "--trainer.limit_test_batches=60", "--trainer.limit_predict_batches=60",
+           f"--trainer.callbacks+={__name__}.SlowEvaluation", f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+    with open(log, "w") as out:
+        process = subprocess.Popen(cmd, cwd=tmp_path, env=env(), stdout=out, stderr=out, start_new_session=True)
+    try:
+        wait_for(lambda: "evaluated batch 2" in log.read_text() or process.poll() is not None, 180, "batch 2")
+        assert process.poll() is None, log.read_text()[-3000:]
+        tree = children(process.pid) | {process.pid}
+        signum = signal.SIGTERM if how == "SIGTERM" else signal.SIGINT
+        if how == "SIGTERM":
+            process.send_signal(signum)
+        else:
+            os.killpg(process.pid, signum)
+        sent = time.monotonic()
+        code = process.wait(timeout=60)
+        wait_for(lambda: not any(alive(p) for p in tree), 30, "every rank to exit")
+        seconds = time.monotonic() - sent
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    output = log.read_text()
+    assert code in (128 + signum, -signum), (code, output[-3000:])
+    assert output.count(f"{signal.Signals(signum).name}: {command} stopped (nothing to save)") == 1, output[-3000:]
+    assert output.count("evaluated batch") < 20, output[-3000:]  # of 60: it stopped, it did not finish
+    assert seconds < 15, seconds  # half a second a batch; it was the whole evaluation (60 s) or never
+    print(f"\n{strategy} {command}, {how}: every process gone {seconds:.1f} s after the signal")
 
 
 @pytest.mark.parametrize(("strategy", "victim"), [("ddp", 1), ("ddp", 0), ("horovod", 1)])

@@ -28,6 +28,7 @@ This callback replaces it for training:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
@@ -142,6 +144,20 @@ class Preemption(Callback):
     def on_sanity_check_start(self, trainer, pl_module) -> None:
         self._install()
 
+    # validate, test and predict: after Lightning registered its own SIGTERM handler (in Trainer._run)
+    @override
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if trainer.state.fn != TrainerFn.FITTING:
+            self._install_evaluation_stop(trainer)
+
+    @override
+    def on_test_start(self, trainer, pl_module) -> None:
+        self._install_evaluation_stop(trainer)
+
+    @override
+    def on_predict_start(self, trainer, pl_module) -> None:
+        self._install_evaluation_stop(trainer)
+
     @override
     def on_train_start(self, trainer, pl_module) -> None:
         self._step_seen = trainer.global_step  # restored by now, on a resumed run
@@ -162,6 +178,31 @@ class Preemption(Callback):
             early = take_early_signals(self._stop_signals())
             if early and not self.received:  # sent while the rank was starting: acted on now
                 self._handle(early[0][0], None, while_starting=early[0][1])
+
+    def _install_evaluation_stop(self, trainer) -> None:
+        """validate, test and predict have nothing to save: a stop signal ends every rank at once, as it ends any
+        program (exit 143 for SIGTERM, 130 for Ctrl-C). Before, a signal kept since a rank started (ddp_spawn's and
+        the horovod self-launch's ranks) was never acted on, so Ctrl-C was ignored to the end of the evaluation; and
+        under ddp a SIGTERM to rank 0 stopped it alone and left rank 1 waiting for it."""
+        if threading.current_thread() is not threading.main_thread() or self._previous:
+            return
+        stage = trainer.state.fn.value  # validate, test, predict
+
+        def stop(signum: int, frame) -> None:
+            if trainer.global_rank == 0:
+                os.write(2, f"{signal.Signals(signum).name}: {stage} stopped (nothing to save)\n".encode())
+            for process in take_over_local_ranks(trainer):  # ddp's other local ranks, started by this one
+                with contextlib.suppress(OSError):
+                    process.send_signal(signum)
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)  # this process ends of it, as without a handler
+
+        for signum in self.signals:  # (not SLURM's warning before the time limit: nothing to do for it here)
+            if signal.getsignal(signum) != signal.SIG_IGN:  # (ignored: a background job's SIGINT stays ignored)
+                self._previous.setdefault(signum, signal.signal(signum, stop))
+        early = take_early_signals(self.signals)
+        if early:  # sent while the rank was starting
+            stop(early[0][0], None)
 
     def _handle(self, signum: int, frame, while_starting: float = 0.0) -> None:
         """The signal handler; ``while_starting``: the ``time.monotonic()`` of a signal kept since the rank started."""
@@ -308,7 +349,7 @@ class Preemption(Callback):
     @override
     def teardown(self, trainer, pl_module, stage: str) -> None:
         for signum, handler in self._previous.items():
-            if signal.getsignal(signum) == self._handle:
+            if signal.getsignal(signum) == self._handle or stage != "fit":  # (evaluation's handler: a closure)
                 signal.signal(signum, handler)
         self._previous.clear()
         if self._group is not None:
