@@ -159,14 +159,22 @@ def announce_failure(why: str) -> None:
             return
         address = store_address()
         job = torchrun_job()
-        if address is None or (job is not None and job.restarts_left):
-            return
+        if address is None or (job is not None and job.restarts_left) or not _resolves(address[0]):
+            return  # (an address that does not resolve: no rank can reach a store there)
         mark = {"rank": this_rank(), "host": socket.gethostname(), "why": why[:WHY_LENGTH], "time": time.time()}
         # rank 0 hosts the store (torchrun's agent may host its own); where its port is taken, one is open already
         if not (is_first_process() and rank_zero_hosts_store() and _host_mark(*address, json.dumps(mark))):
             _post_mark(*address, json.dumps(mark))
     except (Exception, KeyboardInterrupt):  # noqa: BLE001 (a courtesy to the others: this rank's own error is what matters)
         return
+
+
+def _resolves(address: str) -> bool:
+    try:
+        socket.getaddrinfo(address, None)
+        return True
+    except socket.gaierror:
+        return False
 
 
 def _post_mark(address: str, port: int, mark: str) -> None:
