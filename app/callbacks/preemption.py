@@ -181,9 +181,10 @@ class Preemption(Callback):
 
     def _install_evaluation_stop(self, trainer) -> None:
         """validate, test and predict have nothing to save: a stop signal ends every rank at once, as it ends any
-        program (exit 143 for SIGTERM, 130 for Ctrl-C). Before, a signal kept since a rank started (ddp_spawn's and
-        the horovod self-launch's ranks) was never acted on, so Ctrl-C was ignored to the end of the evaluation; and
-        under ddp a SIGTERM to rank 0 stopped it alone and left rank 1 waiting for it."""
+        program (exit 143 for SIGTERM; Ctrl-C raises KeyboardInterrupt where Python's handler had it, else 130).
+        Before, a signal kept since a rank started (ddp_spawn's and the horovod self-launch's ranks) was never acted
+        on, so Ctrl-C was ignored to the end of the evaluation; and under ddp a SIGTERM to rank 0 stopped it alone
+        and left rank 1 waiting for it."""
         if threading.current_thread() is not threading.main_thread() or self._previous:
             return
         stage = trainer.state.fn.value  # validate, test, predict
@@ -194,6 +195,8 @@ class Preemption(Callback):
             for process in take_over_local_ranks(trainer):  # ddp's other local ranks, started by this one
                 with contextlib.suppress(OSError):
                     process.send_signal(signum)
+            if self._previous.get(signum) is signal.default_int_handler:  # Python's own Ctrl-C (a notebook's too)
+                raise KeyboardInterrupt
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)  # this process ends of it, as without a handler
 
