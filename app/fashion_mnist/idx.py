@@ -29,6 +29,12 @@ class DataFileError(UserError):
     """A data file is missing, truncated, corrupt or of the wrong shape. The message names the file."""
 
 
+def read_idx(path: str | os.PathLike, ndim: int | None = None) -> torch.Tensor:
+    """Read a uint8 IDX file (plain or ``.gz``) into a tensor, checking magic number, sizes and length."""
+    # Not torchvision's read_image_file: it reads no .gz, and a bad file is a bare assert or shape error, no file name.
+    return parse_idx(read_idx_bytes(path), path, ndim)
+
+
 def read_idx_bytes(path: str | os.PathLike) -> bytes:
     """The content of an IDX file: its bytes, decompressed when it is a ``.gz``."""
     path = Path(path)

@@ -40,6 +40,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
+from app.launch.host_address import resolves
 from app.launch.launcher import is_first_process, launcher_ranks, slurm_job, torchrun_job
 
 MARK = "template/formation/failed"  # the first failure's JSON: rank, host, why, time
@@ -157,24 +158,15 @@ def announce_failure(why: str) -> None:
 
         if _formed or (dist.is_available() and dist.is_initialized()):
             return
-        address = store_address()
-        job = torchrun_job()
-        if address is None or (job is not None and job.restarts_left) or not _resolves(address[0]):
-            return  # (an address that does not resolve: no rank can reach a store there)
+        address, job = store_address(), torchrun_job()
+        if address is None or (job is not None and job.restarts_left) or not resolves(address[0]):
+            return  # (no rank can reach a store at an address that does not resolve)
         mark = {"rank": this_rank(), "host": socket.gethostname(), "why": why[:WHY_LENGTH], "time": time.time()}
         # rank 0 hosts the store (torchrun's agent may host its own); where its port is taken, one is open already
         if not (is_first_process() and rank_zero_hosts_store() and _host_mark(*address, json.dumps(mark))):
             _post_mark(*address, json.dumps(mark))
     except (Exception, KeyboardInterrupt):  # noqa: BLE001 (a courtesy to the others: this rank's own error is what matters)
         return
-
-
-def _resolves(address: str) -> bool:
-    try:
-        socket.getaddrinfo(address, None)
-        return True
-    except socket.gaierror:
-        return False
 
 
 def _post_mark(address: str, port: int, mark: str) -> None:

@@ -113,3 +113,12 @@ def answers(host: str, port: int, timeout: float = 3.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def resolves(address: str) -> bool:
+    """Whether ``address`` (a name or an IP address) resolves now."""
+    try:
+        socket.getaddrinfo(address, None)
+        return True
+    except socket.gaierror:
+        return False

@@ -15,18 +15,13 @@ from torchvision.io import decode_image, write_png
 
 from app.fashion_mnist.data import MEAN, STD
 from app.fashion_mnist.export import load_exported
-from app.fashion_mnist.idx import parse_idx, read_idx_bytes
+from app.fashion_mnist.idx import read_idx
 from app.fashion_mnist.model import ImageClassifier, load_network
 from app.fashion_mnist.networks import build_resnet
 from app.run.plot import epoch_metrics
 from tests import warm
 from tests.conftest import CPU_TEST_CONFIG, ROOT
 from tests.fashion_mnist.conftest import SYSTEM_COPY, needs_system_copy, run_cli
-
-
-def read_idx(path) -> torch.Tensor:
-    """An IDX file's tensor (plain or .gz), as the example's loader reads it."""
-    return parse_idx(read_idx_bytes(path), path)
 
 
 @pytest.fixture(scope="module")
