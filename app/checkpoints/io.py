@@ -8,20 +8,21 @@
 - load: always ``torch.load(weights_only=True)`` (plain tensors and containers; a checkpoint carrying a pickled
   object is refused, not executed), remote ``http(s)://`` paths only when allowed, and one-line errors.
 
-Every checkpoint it writes carries a digest of each tensor (:data:`CHECKSUM_KEY`), checked when it is loaded: torch
-checks no checksum when it loads, and a file damaged on a disk or in a copy loaded silently (4 KiB of 0xff in the
-middle of a last.ckpt resumed, then "diverged"). The rest of any checkpoint, its pickled structure (keys, numbers,
-hyperparameters), is checked against the CRC-32 its zip archive keeps (:func:`check_archive`), and a file cut short
-is named as such. It also carries the template's format number (:data:`FORMAT_KEY`); :func:`check_compatible` is
-the rule a run applies before it loads one: not from a newer template, written by the model class this run builds,
-with the network the task's :class:`~app.task.TaskSpec` names, and every tensor in the shape the network has.
+Every checkpoint is checked, when it is loaded, against the CRC-32 its zip archive keeps for each record (torch
+writes one per record, and reads none): the pickled structure (keys, numbers, hyperparameters) and each tensor's
+bytes (:func:`check_archive`). A file damaged on a disk or in a copy loaded silently before (4 KiB of 0xff in the
+middle of a last.ckpt resumed, then "diverged"); a file cut short is named as such. The check costs nothing at save
+(torch computes the CRCs as it writes) and one read of the file at load.
+
+A checkpoint the template writes carries its format number (:data:`FORMAT_KEY`); :func:`check_compatible` is the
+rule a run applies before it loads one: not from a newer template, written by the model class this run builds, with
+the network the task's :class:`~app.task.TaskSpec` names, and every tensor in the shape the network has.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import os
 import pickle
 import re
@@ -169,24 +170,17 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
             f"{path}: not a loadable checkpoint, damaged or not written by torch.save ({type(err).__name__}: "
             f"{reason}); pass another --ckpt_path, such as an earlier epoch=N.ckpt beside it"
         ) from None
-    if isinstance(loaded, dict):
-        check_digests(loaded, path)
     return loaded
-
-
-# The archive's records other than the tensors' bytes: the pickled structure (data.pkl: every key, number, string
-# and hyperparameter of the checkpoint) and torch's small metadata files. The tensors' bytes have the template's own
-# digests (tensor_digests); checking their CRC too would read the whole file once more.
-_STORAGE = re.compile(r"(^|/)data/\d+$")
 
 
 def check_archive(path: Path) -> None:
     """A ``torch.save`` zip archive that is whole: its directory is there (torch.save writes it last, so a file cut
-    short has none) and its records other than the tensors' bytes match the CRC-32 the zip format keeps for each.
+    short has none) and every record matches the CRC-32 the zip format keeps for it.
 
     torch checks no CRC: one flipped byte in ``data.pkl`` was refused as "pickled Python objects", failed as
-    another error, or loaded with a value changed, depending on the byte; and a file cut short failed in torch with a
-    paragraph of its own (cut mid-word here), or an ``OSError: Invalid argument``."""
+    another error, or loaded with a value changed, depending on the byte; bytes damaged inside a tensor loaded
+    silently; and a file cut short failed in torch with a paragraph of its own (cut mid-word here), or an
+    ``OSError: Invalid argument``."""
     size = path.stat().st_size
     try:
         archive = zipfile.ZipFile(path)
@@ -198,59 +192,22 @@ def check_archive(path: Path) -> None:
         ) from None
     with archive:
         for record in archive.infolist():
-            if _STORAGE.search(record.filename):
+            if record.CRC == 0 and record.file_size:  # written with torch.serialization.set_crc32_options(False)
                 continue
             try:
-                archive.read(record)  # checks the record's CRC-32
+                with archive.open(record) as data:
+                    while data.read(1 << 24):  # the CRC-32 is checked at the record's end
+                        pass
             except (zipfile.BadZipFile, zlib.error, OSError, EOFError, ValueError):
+                name = record.filename.split("/", 1)[-1]
+                what = f"{name} inside it (a tensor's bytes)" if _STORAGE.fullmatch(name) else f"{name} inside it"
                 raise UserError(
-                    f"{path}: damaged: {record.filename.split('/', 1)[-1]} inside it no longer matches the checksum "
-                    "written with it (a disk, copy or transfer error); pass another --ckpt_path, such as an earlier "
-                    "epoch=N.ckpt beside it"
+                    f"{path}: damaged: {what} no longer matches the checksum written with it (a disk, copy or "
+                    "transfer error); pass another --ckpt_path, such as an earlier epoch=N.ckpt beside it"
                 ) from None
 
 
-CHECKSUM_KEY = "template_checksum"
-
-
-def tensor_digests(checkpoint: dict[str, Any]) -> dict[str, str]:
-    """A BLAKE2b digest of each tensor's dtype, shape and bytes, by its path in the checkpoint
-    (``state_dict/net.conv1.weight``, ``optimizer_states/0/state/3/momentum_buffer``).
-
-    Per tensor, so that a checkpoint edited on purpose (optimizer states dropped, a hyperparameter changed, then
-    saved again) still loads, while bytes damaged inside a tensor are found."""
-    digests: dict[str, str] = {}
-
-    def walk(value: Any, path: str) -> None:
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach().to("cpu").contiguous()
-            digest = hashlib.blake2b(f"{tensor.dtype}{tuple(tensor.shape)}".encode(), digest_size=16)
-            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
-            digests[path] = digest.hexdigest()
-        elif isinstance(value, dict):
-            for key, item in value.items():
-                if not (value is checkpoint and key == CHECKSUM_KEY):
-                    walk(item, f"{path}/{key}" if path else str(key))
-        elif isinstance(value, list | tuple):
-            for i, item in enumerate(value):
-                walk(item, f"{path}/{i}")
-
-    walk(checkpoint, "")
-    return digests
-
-
-def check_digests(loaded: dict[str, Any], path: str | Path) -> None:
-    """Every tensor that has a digest recorded in the checkpoint still matches it."""
-    recorded = loaded.get(CHECKSUM_KEY)
-    if not isinstance(recorded, dict):
-        return
-    damaged = [name for name, digest in tensor_digests(loaded).items() if recorded.get(name, digest) != digest]
-    if damaged:
-        raise UserError(
-            f"{path}: damaged: {len(damaged)} tensor(s) no longer match the checksums written with them (e.g. "
-            f"{damaged[0]}; a disk, copy or transfer error); pass another checkpoint, such as an epoch=N.ckpt beside "
-            f"it (a checkpoint changed on purpose: delete its '{CHECKSUM_KEY}' entry)"
-        )
+_STORAGE = re.compile(r"data/\d+")  # a tensor's bytes, in torch.save's archive
 
 
 class SafeCheckpointIO(TorchCheckpointIO):
@@ -272,7 +229,6 @@ class SafeCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
         checkpoint.setdefault(FORMAT_KEY, CHECKPOINT_FORMAT)
-        checkpoint[CHECKSUM_KEY] = tensor_digests(checkpoint)
         return atomic_torch_save(checkpoint, path, announce=announce, unless=unless)
 
     @override
