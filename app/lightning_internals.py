@@ -37,6 +37,10 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
 11. :func:`free_strategy_name` — Lightning's accelerator connector refuses any strategy registered under a name
    its own ``FSDPStrategy`` registered (``"fsdp"``) unless the accelerator is a GPU; the template's ``fsdp``
    (app/strategies/fsdp.py) runs on CPU too, so the name leaves that list when the template takes it over.
+12. :func:`take_over_stop_flag` — Lightning 2.6's training loop broadcasts rank 0's SIGTERM flag and reads it back
+   with ``.item()`` at every batch when several processes train (a blocking collective per step, and a host sync
+   on GPUs: Lightning issue 21487). While Preemption has the stop signals it is the one agreement per step, and the
+   broadcast is skipped.
 
 Private names of torch, Lightning, torchvision and argparse used elsewhere in the machinery (``app/``) and in
 ``bench/`` are listed in :data:`PRIVATE_USES`, each with the class or module that has it and why (a task lists its
@@ -406,3 +410,23 @@ def free_strategy_name(name: str) -> None:
 
     if name in FSDPStrategy._registered_strategies:
         FSDPStrategy._registered_strategies.remove(name)
+
+
+# ---------------------------------------------------------------------- 12. Lightning's stop flag and its broadcast
+def _no_broadcast() -> None:
+    """Nothing: Preemption's all-reduce, started at one step's end and read at the next, is the step's agreement."""
+
+
+def take_over_stop_flag(trainer) -> bool:
+    """Lightning's per-batch broadcast of its SIGTERM flag is skipped until :func:`give_back_stop_flag`, and the flag
+    is cleared; returns whether it was set (a SIGTERM came after ``Trainer._run`` registered Lightning's handler, and
+    before Preemption replaced it), so that Preemption acts on that signal instead."""
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
+    connector = trainer._signal_connector
+    received, connector.received_sigterm = connector.received_sigterm, False
+    return received
+
+
+def give_back_stop_flag(trainer) -> None:
+    """Lightning's per-batch broadcast again (a later fit on the same trainer without Preemption's handlers)."""
+    vars(trainer.fit_loop.epoch_loop).pop("_broadcast_sigterm_tensor", None)

@@ -535,3 +535,21 @@ def test_the_checkpoint_layout_helpers_by_name(tmp_path):
     FSDPStrategy._registered_strategies.append("planted_fsdp")
     free_strategy_name("planted_fsdp")
     assert "planted_fsdp" not in FSDPStrategy._registered_strategies
+
+
+def test_the_training_loops_stop_flag_broadcast(tmp_path):
+    """take_over_stop_flag: the loop calls _broadcast_sigterm_tensor at every batch when several processes train, and
+    Trainer.received_sigterm reads the signal connector's flag."""
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    from app.lightning_internals import give_back_stop_flag, take_over_stop_flag
+
+    assert parameters(_TrainingEpochLoop._broadcast_sigterm_tensor) == []
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+    trainer = Trainer(default_root_dir=tmp_path, logger=False)
+    trainer._signal_connector.received_sigterm = True
+    assert trainer.received_sigterm and take_over_stop_flag(trainer) and not trainer.received_sigterm
+    assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
+    give_back_stop_flag(trainer)
+    loop = trainer.fit_loop.epoch_loop
+    assert loop._broadcast_sigterm_tensor.__func__ is _TrainingEpochLoop._broadcast_sigterm_tensor

@@ -186,6 +186,26 @@ def test_signal_mid_epoch_checkpoints_exits_and_resumes_bit_identical(
     }
 
 
+def test_a_ddp_step_makes_one_collective_besides_ddps_own_and_it_does_not_block(tmp_path):
+    """Issue 71: Lightning 2.6 broadcasts its SIGTERM flag and reads it back with .item() at every batch (a blocking
+    collective, and a host sync on GPUs), and Preemption all-reduces its own flag. One step of a ddp x2 run, counted by
+    torch.profiler (every gloo operation, DDP's own in C++ included) and at torch.distributed's Python functions:
+    DDP's gradient bucket (the group-norm network has no buffers for DDP to broadcast) and Preemption's all-reduce,
+    started at one step's end and waited for at the next (async_op); nothing else."""
+    counted = tmp_path / "counted"
+    spec = {"class_path": "tests.count_collectives.CountCollectives", "init_args": {"folder": str(counted)}}
+    run = fit(
+        tmp_path, *STRATEGIES["ddp"], "--trainer.max_epochs=1", "--model.norm=group", "--trainer.limit_val_batches=0",
+        "--trainer.callbacks+=" + json.dumps(spec),
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    for rank in (0, 1):
+        record = json.loads((counted / f"rank{rank}.json").read_text())
+        assert record["python"] == [["all_reduce", True]], record  # Preemption's, not waited for in its step
+        # one bucket of gradients (the network's 1,000 parameters fill DDP's first 1 MiB bucket) + Preemption's
+        assert record["gloo"] == ["gloo:all_reduce", "gloo:all_reduce"], record
+
+
 def resume_and_compare(workdir: Path, strategy: str, reference) -> None:
     """``--ckpt_path last`` after a stop: the run ends with the weights, losses and validation of an unbroken one."""
     resumed = fit(workdir, *STRATEGIES[strategy], "--ckpt_path=last")

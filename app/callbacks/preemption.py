@@ -53,10 +53,12 @@ from app.launch.restarts import torchrun_restarts_possible
 from app.launch.slurm import after_stop
 from app.lightning_internals import (
     fit_loop_of,
+    give_back_stop_flag,
     log_step_now,
     restart_validation,
     resume_into_validation,
     take_over_local_ranks,
+    take_over_stop_flag,
     validation_follows,
 )
 
@@ -176,6 +178,10 @@ class Preemption(Callback):
             for signum in self._stop_signals():
                 self._previous[signum] = signal.signal(signum, self._handle)
             early = take_early_signals(self._stop_signals())
+            # Lightning's SIGTERM handler is replaced, so its flag's broadcast at every batch goes: one agreement per
+            # step, this callback's (a flag it set since Trainer._run began is a signal received while starting)
+            if signal.SIGTERM in self._previous and take_over_stop_flag(self._trainer):
+                early = early or [(signal.SIGTERM, time.monotonic())]
             if early and not self.received:  # sent while the rank was starting: acted on now
                 self._handle(early[0][0], None, while_starting=early[0][1])
 
@@ -355,6 +361,8 @@ class Preemption(Callback):
             if signal.getsignal(signum) == self._handle or stage != "fit":  # (evaluation's handler: a closure)
                 signal.signal(signum, handler)
         self._previous.clear()
+        if stage == "fit":
+            give_back_stop_flag(trainer)
         if self._group is not None:
             self._pending = None
             self._group = None
