@@ -107,32 +107,35 @@ class Heartbeat(threading.Thread):
                 self.across_hosts = not pids.get(0)
                 self._judge([0], f"the rendezvous store on rank 0 {why}")
                 return
-            beats = outcome["beats"]
-            now = time.monotonic()
-            lost, reasons = [], []
-            for r in peers:
-                if _failed(beats[r]):
-                    lost.append(r)
-                    reasons.append(f"rank {r} stopped with an error (its output above says which)")
-                    continue
-                if beats[r] < 0:  # finished
-                    continue
-                if pids.get(r) and not process_alive(pids[r]):
-                    if self._finished(r):  # it marked itself done, then exited
-                        continue
-                    lost.append(r)
-                    reasons.append(f"rank {r} (pid {pids[r]} on {host}) has exited")
-                    continue
-                if beats[r] != seen[r][0]:
-                    seen[r] = (beats[r], now)
-                elif now - seen[r][1] > self.timeout:
-                    self.silent = True
-                    self.across_hosts = self.across_hosts or not pids.get(r)  # not a process seen on this host
-                    lost.append(r)
-                    reasons.append(f"rank {r} has not answered for {now - seen[r][1]:.0f} s")
+            lost, reasons = self._lost_peers(peers, outcome["beats"], pids, seen, host)
             if lost:
                 self._judge(lost, "; ".join(reasons))
                 return
+
+    def _lost_peers(self, peers, beats: dict, pids: dict[int, int], seen: dict, host: str) -> tuple[list, list]:
+        """The peers lost by this heartbeat's counts, and why each: one that stopped with an error, one whose process
+        on this host exited unfinished, one whose count stood still for ``timeout`` seconds (``seen``: each peer's
+        last count and when it changed, updated here)."""
+        now = time.monotonic()
+        lost, reasons = [], []
+        for r in peers:
+            if _failed(beats[r]):
+                lost.append(r)
+                reasons.append(f"rank {r} stopped with an error (its output above says which)")
+            elif beats[r] < 0:  # finished
+                continue
+            elif pids.get(r) and not process_alive(pids[r]):
+                if not self._finished(r):  # (one that marked itself done, then exited, is not lost)
+                    lost.append(r)
+                    reasons.append(f"rank {r} (pid {pids[r]} on {host}) has exited")
+            elif beats[r] != seen[r][0]:
+                seen[r] = (beats[r], now)
+            elif now - seen[r][1] > self.timeout:
+                self.silent = True
+                self.across_hosts = self.across_hosts or not pids.get(r)  # not a process seen on this host
+                lost.append(r)
+                reasons.append(f"rank {r} has not answered for {now - seen[r][1]:.0f} s")
+        return lost, reasons
 
     def _exchange(self, peers: list[int], host: str, pids: dict[int, int], outcome: dict) -> None:
         """One heartbeat: bump this rank's counter, read the peers' (and their pids, once). Fills ``outcome``."""

@@ -72,24 +72,10 @@ class PredictionWriter(BasePredictionWriter):
         if not trainer.is_global_zero:
             return
         names = predict_names(pl_module, trainer.datamodule)
-        classes = class_names(pl_module, trainer.datamodule)
-        extra = list(dict.fromkeys(name for _, _, values in rows for name in values if name not in ("pred", "prob")))
-        with_prob = any("prob" in values for _, _, values in rows)
-        with_class = bool(classes) and all(isinstance(values.get("pred"), int) for _, _, values in rows)
+        header, table = prediction_rows(rows, names, class_names(pl_module, trainer.datamodule))
         folder = Path(log_dir or ".")
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / self.filename
-        header = ["index", "name", "label", "pred"] + ["class"] * with_class + ["prob"] * with_prob + extra
-        table = []
-        for index, label, values in rows:
-            name = names[index] if index < len(names) else str(index)
-            pred = values.get("pred")
-            row = [index, name, _cell(label), _cell(pred)]
-            if with_class:
-                row.append(classes[pred] if 0 <= pred < len(classes) else str(pred))
-            if with_prob:
-                row.append(f"{values['prob']:.4f}" if "prob" in values else "")
-            table.append(row + [_cell(values.get(name, "")) for name in extra])
         with atomic_write(path, "w", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(header)
@@ -97,6 +83,26 @@ class PredictionWriter(BasePredictionWriter):
         if 0 < len(table) <= self.show:
             console_print(trainer, predictions_table(header, table))
         rank_zero_info(f"Predictions for {len(rows)} samples written to {path}")
+
+
+def prediction_rows(rows: list[tuple[int, Any, dict[str, Any]]], names, classes) -> tuple[list[str], list[list]]:
+    """predictions.csv's header and rows: a ``class`` column when every prediction is a class number and the task
+    names its classes, ``prob`` when any row has one, then the other entries of ``predict_step``'s output."""
+    extra = list(dict.fromkeys(name for _, _, values in rows for name in values if name not in ("pred", "prob")))
+    with_prob = any("prob" in values for _, _, values in rows)
+    with_class = bool(classes) and all(isinstance(values.get("pred"), int) for _, _, values in rows)
+    header = ["index", "name", "label", "pred"] + ["class"] * with_class + ["prob"] * with_prob + extra
+    table = []
+    for index, label, values in rows:
+        name = names[index] if index < len(names) else str(index)
+        pred = values.get("pred")
+        row = [index, name, _cell(label), _cell(pred)]
+        if with_class:
+            row.append(classes[pred] if 0 <= pred < len(classes) else str(pred))
+        if with_prob:
+            row.append(f"{values['prob']:.4f}" if "prob" in values else "")
+        table.append(row + [_cell(values.get(name, "")) for name in extra])
+    return header, table
 
 
 def predictions_table(header: list[str], rows: list[list]):

@@ -141,6 +141,21 @@ class RankWatchdog(Callback):
     def _stop_process(self, ranks: list[int], reason: str) -> None:
         exit_taken_over(self.timeout + 3 * self.interval + 10)  # this thread ends the process (_end): let it
         me = self._heartbeat.rank if self._heartbeat else "?"
+        lost = self._verdict(me, ranks, reason)
+        save = self._save
+        if save is not None and save.is_set() and self._save_reported:  # its line came first and said what next
+            _say(f"{lost} {self._stopping()}.")
+            self._end()
+        if save is not None and not save.is_set():
+            lost = self._await_save(save, lost, me)
+        folder = getattr(self._checkpointer, "dirpath", None)
+        advice = what_next(Path(folder) / "last.ckpt" if folder else None, cut_off=self.cut_off is not None)
+        _say(f"{lost} {self._stopping()}{self._no_signal_checkpoint()}. {advice}")
+        self._end()
+
+    def _verdict(self, me, ranks: list[int], reason: str) -> str:
+        """The line naming the lost rank, or saying that this rank lost the network (a peer silent, and under torchrun
+        the rendezvous host too)."""
         lost = f"error: [rank {me}] lost rank {', '.join(map(str, ranks))}: {reason}."
         if self._heartbeat is not None and self._heartbeat.silent and self._heartbeat.across_hosts:
             # mpirun (or this node's daemon) would wait, for as long as the network is down, for the lost node's
@@ -149,55 +164,54 @@ class RankWatchdog(Callback):
         if self._heartbeat is not None and self._heartbeat.silent:
             self.cut_off = self._lost_the_network()
             if self.cut_off is not None:
-                lost = (
-                    f"error: [rank {me}] lost the network: {reason.split(' (')[0]}, and the rendezvous host "
-                    f"{self.cut_off.where} "
-                    "does not answer either."
-                )
-        save = self._save
-        if save is not None and save.is_set() and self._save_reported:  # its line came first and said what next
-            _say(f"{lost} {self._stopping()}.")
-            self._end()
-        if save is not None and not save.is_set():
-            # A peer that died closed its connections: the collective the training thread is in, or its next one,
-            # fails, and the Elastic callback writes the state of the last step (or, under fsdp and pipeline, says
-            # why it cannot: the lost rank's part of the state is gone) and says what next. A cut link or a hung
-            # host closes nothing: gloo waits for good, and the state is written from this thread instead.
-            if self._sharded():
-                _say(f"{lost} Stopping this rank when its next collective fails, within {self.timeout:g} s")
-            else:
-                # Cut off, no collective can fail: the save from this thread says the verdict in its own line
-                one_line = self.cut_off is not None and self._save_now is not None
-                if not one_line:
-                    _say(f"{lost} Saving this rank's state first")
-                if not save.wait(2 * self.interval) and self._save_now is not None:
-                    self.verdict = lost if one_line else None
-                    try:
-                        if self._save_now(self.timeout):
-                            self.save_over(reported=True)
-                        elif one_line:  # the training thread saves (or is stuck in a step): the verdict first
-                            _say(f"{lost} Saving this rank's state first")
-                    except Exception as err:  # noqa: BLE001 - say it, and end as without a save
-                        _say(f"error: [rank {me}] could not save its state: {type(err).__name__}: {err}")
-                        self.save_over(reported=False)
-                    finally:
-                        self.verdict = None
-                elif one_line:  # the training thread's collective failed after all, and it saved: its line follows
-                    _say(f"{lost} Saving this rank's state first")
-            if not save.wait(self.timeout):
-                lost = (
-                    f"error: [rank {me}] {'' if self._sharded() else 'could not save its state: '}no collective "
-                    f"failed within {self.timeout:g} s (one that hangs: a peer's host that is gone without closing "
-                    "its connections)."
-                )
-            elif self._save_reported:
-                self._end()  # the state is written (or it said why not), and what comes next
-            else:
-                lost = f"error: [rank {me}]"
-        folder = getattr(self._checkpointer, "dirpath", None)
-        advice = what_next(Path(folder) / "last.ckpt" if folder else None, cut_off=self.cut_off is not None)
-        _say(f"{lost} {self._stopping()}{self._no_signal_checkpoint()}. {advice}")
-        self._end()
+                where = self.cut_off.where
+                lost = f"error: [rank {me}] lost the network: {reason.split(' (')[0]}, and the rendezvous host {where} "
+                lost += "does not answer either."
+        return lost
+
+    def _await_save(self, save: threading.Event, lost: str, me) -> str:
+        """The save after a verdict, at most ``timeout`` seconds: ends the process once it is written and reported;
+        else returns the line to stop with.
+
+        A peer that died closed its connections: the collective the training thread is in, or its next one, fails,
+        and the Elastic callback writes the state of the last step (or, under fsdp and pipeline, says why it cannot:
+        the lost rank's part of the state is gone) and says what next. A cut link or a hung host closes nothing: gloo
+        waits for good, and the state is written from this thread instead."""
+        if self._sharded():
+            _say(f"{lost} Stopping this rank when its next collective fails, within {self.timeout:g} s")
+        else:
+            self._save_unless_a_collective_fails(save, lost, me)
+        if not save.wait(self.timeout):
+            return (
+                f"error: [rank {me}] {'' if self._sharded() else 'could not save its state: '}no collective "
+                f"failed within {self.timeout:g} s (one that hangs: a peer's host that is gone without closing "
+                "its connections)."
+            )
+        if self._save_reported:
+            self._end()  # the state is written (or it said why not), and what comes next
+        return f"error: [rank {me}]"
+
+    def _save_unless_a_collective_fails(self, save: threading.Event, lost: str, me) -> None:
+        """The state written from this thread when no collective failed within two intervals of the verdict. Cut
+        off, no collective can fail: the save from this thread says the verdict in its own line."""
+        one_line = self.cut_off is not None and self._save_now is not None
+        if not one_line:
+            _say(f"{lost} Saving this rank's state first")
+        if save.wait(2 * self.interval) or self._save_now is None:
+            if one_line:  # the training thread's collective failed after all, and it saved: its line follows
+                _say(f"{lost} Saving this rank's state first")
+            return
+        self.verdict = lost if one_line else None
+        try:
+            if self._save_now(self.timeout):
+                self.save_over(reported=True)
+            elif one_line:  # the training thread saves (or is stuck in a step): the verdict first
+                _say(f"{lost} Saving this rank's state first")
+        except Exception as err:  # noqa: BLE001 - say it, and end as without a save
+            _say(f"error: [rank {me}] could not save its state: {type(err).__name__}: {err}")
+            self.save_over(reported=False)
+        finally:
+            self.verdict = None
 
     def _lost_the_network(self) -> TorchrunAgent | None:
         """Under torchrun, when a peer or rank 0's store fell silent: this worker's agent, if the rendezvous host it

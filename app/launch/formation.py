@@ -41,7 +41,7 @@ from collections.abc import Callable
 from datetime import timedelta
 
 from app.launch.host_address import resolves
-from app.launch.launcher import is_first_process, launcher_ranks, slurm_job, torchrun_job
+from app.launch.launcher import expected_ranks, is_first_process, launcher_ranks, slurm_job, this_rank, torchrun_job
 
 MARK = "template/formation/failed"  # the first failure's JSON: rank, host, why, time
 ANSWERED = "template/formation/answered"  # ranks that read the mark or left their own: rank 0's host stops at all
@@ -97,25 +97,6 @@ def store_address() -> tuple[str, int] | None:
     if not several or not env.get("MASTER_ADDR") or not env.get("MASTER_PORT", "").isdigit():
         return None
     return env["MASTER_ADDR"], int(env["MASTER_PORT"])
-
-
-def this_rank() -> str:
-    """This process as the others' line names it, before any strategy has set ranks up."""
-    env = os.environ
-    for var in ("RANK", "SLURM_PROCID"):
-        if env.get(var, "").isdigit():
-            return f"rank {env[var]}"
-    node, local = env.get("NODE_RANK") or env.get("GROUP_RANK") or "0", env.get("LOCAL_RANK") or "0"
-    return "rank 0" if node == local == "0" else f"node {node}'s local rank {local}"
-
-
-def expected_ranks() -> int | None:
-    """The processes of the run, where the launcher says it before the strategy exists."""
-    env = os.environ
-    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
-        if env.get(var, "").isdigit():
-            return int(env[var])
-    return None
 
 
 def process_start_time() -> float:
@@ -317,7 +298,6 @@ class FormationWatch(threading.Thread):
 
     def run(self) -> None:
         from app.launch.library_noise import store_warnings_off
-        from app.launch.signals import pid_namespace
 
         store, started, waited_silently = None, time.monotonic(), True  # (no store reached yet, nothing said)
         while not self._halt.is_set():
@@ -326,48 +306,61 @@ class FormationWatch(threading.Thread):
             if gap >= self.stalled or now - self.stalled_at > STALL_MEMORY:
                 self.stalled, self.stalled_at = gap, now
             if store is None:
-                store = client(self.address, self.port, timeout=POLL)
+                store = self._connect()
+                if store is None and waited_silently and (waited := time.monotonic() - started) >= UNREACHED_NOTICE:
+                    waited_silently = False  # (measured after the try)
+                    self._say_unreached(waited)
                 if store is None:
-                    if waited_silently and (waited := time.monotonic() - started) >= UNREACHED_NOTICE:  # after the try
-                        waited_silently = False
-                        self._say_unreached(waited)
                     self._halt.wait(POLL / 2)
-                    continue
-                waited_silently = False
-                if self.rank is not None:
-                    with contextlib.suppress(RuntimeError, ValueError, OSError), store_warnings_off():
-                        store.set(f"{WHO}{self.rank}", f"{socket.gethostname()}:{pid_namespace()}:{os.getpid()}")
+                waited_silently = waited_silently and store is None
                 continue
             try:
                 with store_warnings_off():  # a store that closed (a failed rank 0's, when its hold ends)
-                    if self.rank is not None:
-                        store.add(f"{BEAT}{self.rank}", 1)
-                    if self.judge:
-                        self._judge(store)
-                    mark = json.loads(store.get(MARK)) if store.check([MARK]) else None
-                    if mark is not None and mark.get("time", 0) >= self.since:
-                        self.mark_seen.set()
-                        if self.world_size:
-                            store.set(WORLD, str(self.world_size))
-                        answered = store.add(ANSWERED, 1)
-                        if self.hosts_store:
-                            self._tell(mark)  # now: the hold below may last seconds
-                        quiet = not (self.say and self._default)
-                        # (from this thread: a Ctrl-C reaches the main thread, inside init_process_group, only later)
-                        wait = _Wait(HOLD, "for the other ranks to read it", quiet=quiet, skip="")
-                        while self.hosts_store and answered < self.world_size and wait.on():
-                            time.sleep(0.2)
-                            answered = store.add(ANSWERED, 0)
+                    mark = self._poll(store)
             except (RuntimeError, ValueError, OSError):
                 store = None
                 continue
-            if mark is not None and mark.get("time", 0) >= self.since and not self._halt.is_set():
+            if mark is not None and not self._halt.is_set():
                 self.on_failure(mark)
                 return
             self._halt.wait(POLL)
         if _formed and store is not None and self.rank is not None:  # its count stops here: not a lost rank
             with contextlib.suppress(RuntimeError, ValueError, OSError), store_warnings_off():
                 store.set(f"{FORMED}{self.rank}", "1")
+
+    def _connect(self):
+        """The group's store, with this rank's host and pid left in it; None while no one has opened it."""
+        from app.launch.library_noise import store_warnings_off
+        from app.launch.signals import pid_namespace
+
+        store = client(self.address, self.port, timeout=POLL)
+        if store is not None and self.rank is not None:
+            with contextlib.suppress(RuntimeError, ValueError, OSError), store_warnings_off():
+                store.set(f"{WHO}{self.rank}", f"{socket.gethostname()}:{pid_namespace()}:{os.getpid()}")
+        return store
+
+    def _poll(self, store) -> dict | None:
+        """This rank's beat, rank 0's judgement of the others, and this round's failure mark if there is one: read,
+        and held on rank 0's host until every rank has read it."""
+        if self.rank is not None:
+            store.add(f"{BEAT}{self.rank}", 1)
+        if self.judge:
+            self._judge(store)
+        mark = json.loads(store.get(MARK)) if store.check([MARK]) else None
+        if mark is None or mark.get("time", 0) < self.since:
+            return None
+        self.mark_seen.set()
+        if self.world_size:
+            store.set(WORLD, str(self.world_size))
+        answered = store.add(ANSWERED, 1)
+        if self.hosts_store:
+            self._tell(mark)  # now: the hold below may last seconds
+        # (from this thread: a Ctrl-C reaches the main thread, inside init_process_group, only later)
+        wait = _Wait(HOLD, "for the other ranks to read it", quiet=not (self.say and self._default), skip="")
+        while self.hosts_store and answered < self.world_size and wait.on():
+            time.sleep(0.2)
+            answered = store.add(ANSWERED, 0)
+        return mark
 
     def stalled_lately(self) -> float:
         """How long this process did not run lately (its watch's longest pause, or the one under way): a process that

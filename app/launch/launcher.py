@@ -395,3 +395,22 @@ def rendezvous_address() -> tuple[str | None, int | None]:
     """``MASTER_ADDR`` and ``MASTER_PORT`` where the launcher or the user set them, else None for each."""
     port = os.environ.get("MASTER_PORT")
     return os.environ.get("MASTER_ADDR") or None, int(port) if port else None
+
+
+def this_rank() -> str:
+    """This process as the others' line names it, before any strategy has set ranks up."""
+    env = os.environ
+    for var in ("RANK", "SLURM_PROCID"):
+        if env.get(var, "").isdigit():
+            return f"rank {env[var]}"
+    node, local = env.get("NODE_RANK") or env.get("GROUP_RANK") or "0", env.get("LOCAL_RANK") or "0"
+    return "rank 0" if node == local == "0" else f"node {node}'s local rank {local}"
+
+
+def expected_ranks() -> int | None:
+    """The processes of the run, where the launcher says it before the strategy exists."""
+    env = os.environ
+    for var in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if env.get(var, "").isdigit():
+            return int(env[var])
+    return None

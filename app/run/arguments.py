@@ -183,27 +183,18 @@ class Parser(LightningArgumentParser):
             return super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
         line = " ".join(message.split())
-        flags = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
         unknown = re.findall(r"(--[\w.\-]+)", line) if "nrecognized" in line else []
         # a key of a YAML config: "... does not accept option 'trainer.max_epoch'"
         unknown += ["--" + key for key in re.findall(r"does not accept option '([\w.\-]+)'", line)]
-        for flag in unknown:
-            # not a group the flag is inside of (--model for --model.lr); an optimizer's argument is under the optimizer
-            candidates = [f for f in flags if not flag.startswith(f + ".")]
-            close = difflib.get_close_matches(flag, candidates, n=1, cutoff=0.75)
-            if flag.startswith("--model.") and flag.count(".") == 1 and flag[8:] in OPTIMIZER_ARGS:
-                close = [f"--model.optimizer.{flag[8:]}"]
-            if close:
-                line += f" (did you mean {close[0] if flag in line else close[0][2:]}?)"
-                break
-        for flag in unknown:  # a key of a YAML config: which file holds it
-            holder = next((path for path, data in self.config_files.items() if has_key(data, flag[2:])), None)
-            if holder is not None and str(holder) not in line:
-                line = f"{holder}: {line}"
-                break
+        line += closest_flag(
+            unknown, [o for a in parser._actions for o in a.option_strings if o.startswith("--")], line
+        )
+        holder = next(filter(None, (self._file_holding(flag[2:]) for flag in unknown)), None)
+        if holder is not None and str(holder) not in line:  # a key of a YAML config: which file holds it
+            line = f"{holder}: {line}"
         nested = nested_option_error(line)
         if nested and not nested.startswith("--"):  # a key of a YAML file: which file holds it
-            holder = next((p for p, data in self.config_files.items() if has_key(data, nested.split(":")[0])), None)
+            holder = self._file_holding(nested.split(":")[0])
             nested = f"{holder}: {nested}" if holder is not None else nested
         line = nested or union_error(line) or line
         prog = parser.prog.replace(" [options]", "")
@@ -211,6 +202,10 @@ class Parser(LightningArgumentParser):
         if Path(sys.argv[0]).name == script:  # the script as the user typed it: from another folder, its path
             prog = f"{sys.argv[0]} {rest}".strip()
         raise UserError(f"{line}; see: python {prog} --help")
+
+    def _file_holding(self, key: str) -> Path | None:
+        """The --config file of this command line that holds ``key`` (``trainer.max_epoch``), or None."""
+        return next((path for path, data in self.config_files.items() if has_key(data, key)), None)
 
     @override
     def add_method_arguments(self, *args, **kwargs):
@@ -220,6 +215,19 @@ class Parser(LightningArgumentParser):
             if action.dest == "ckpt_path":
                 action.help = CKPT_PATH_HELP
         return added
+
+
+def closest_flag(unknown: list[str], flags: list[str], line: str) -> str:
+    """`` (did you mean --trainer.max_epochs?)`` for the first unknown flag close to a known one, else ``""``."""
+    for flag in unknown:
+        # not a group the flag is inside of (--model for --model.lr); an optimizer's argument is under the optimizer
+        candidates = [f for f in flags if not flag.startswith(f + ".")]
+        close = difflib.get_close_matches(flag, candidates, n=1, cutoff=0.75)
+        if flag.startswith("--model.") and flag.count(".") == 1 and flag[8:] in OPTIMIZER_ARGS:
+            close = [f"--model.optimizer.{flag[8:]}"]
+        if close:
+            return f" (did you mean {close[0] if flag in line else close[0][2:]}?)"
+    return ""
 
 
 def check_config_files(argv: list[str]) -> None:

@@ -140,32 +140,40 @@ def named_classes(argv: list[str], group: str) -> list[str]:
     pkg.Class``, ``--model.class_path``, a YAML ``model: {class_path: ...}``); ``"?"`` for one inside inline YAML."""
     flag, found = f"--{group}", []
     for i, arg in enumerate(argv):
+        following = argv[i + 1] if i + 1 < len(argv) else None
         if arg.startswith(f"{flag}.class_path="):
             found.append(arg.split("=", 1)[1])
-        elif arg == f"{flag}.class_path" and i + 1 < len(argv):
-            found.append(argv[i + 1])
-        value = arg[len(flag) + 1 :] if arg.startswith(f"{flag}=") else None
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        if value is None:
-            continue
-        if Path(value).is_file():  # --model=file.yaml
-            try:
-                data = yaml.safe_load(Path(value).read_text())
-            except yaml.YAMLError:
-                continue  # jsonargparse names the file
-            if isinstance(data, dict) and isinstance(data.get("class_path"), str):
-                found.append(data["class_path"])
-        elif re.fullmatch(r"[A-Za-z_][\w.]*", value):  # a class path or a class name
-            found.append(value)
-        elif "class_path" in value:  # inline YAML or JSON
-            found.append("?")
+        elif arg == f"{flag}.class_path" and following is not None:
+            found.append(following)
+        value = arg[len(flag) + 1 :] if arg.startswith(f"{flag}=") else following if arg == flag else None
+        found += _class_in_value(value) if value is not None else []
+    return found + _classes_in_config_files(group)
+
+
+def _classes_in_config_files(group: str) -> list[str]:
+    """The ``class_path`` each --config file of the command line gives the ``group``, at its top or under a
+    subcommand's key."""
+    found = []
     for data in Parser.config_files.values():
         for holder in [data] + [data.get(sub) for sub in LightningCLI.subcommands() if isinstance(data, dict)]:
             path = holder.get(group, {}).get("class_path") if isinstance(holder, dict) else None
             if isinstance(holder, dict) and isinstance(holder.get(group), dict) and isinstance(path, str):
                 found.append(path)
     return found
+
+
+def _class_in_value(value: str) -> list[str]:
+    """The class a ``--model`` value names: a YAML file's ``class_path``, a class path or name, ``"?"`` for inline
+    YAML or JSON."""
+    if Path(value).is_file():  # --model=file.yaml
+        try:
+            data = yaml.safe_load(Path(value).read_text())
+        except yaml.YAMLError:
+            return []  # jsonargparse names the file
+        return [data["class_path"]] if isinstance(data, dict) and isinstance(data.get("class_path"), str) else []
+    if re.fullmatch(r"[A-Za-z_][\w.]*", value):  # a class path or a class name
+        return [value]
+    return ["?"] if "class_path" in value else []
 
 
 def names_class(argv: list[str], group: str) -> bool:

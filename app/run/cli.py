@@ -202,8 +202,21 @@ class CLI(CkptPathRule, LightningCLI):
     @override
     def before_instantiate_classes(self) -> None:
         config = self._subconfig(self.config)
-        # The default loggers write under --trainer.default_root_dir, as Lightning's own default logger does;
-        # a logger given with another save_dir keeps it.
+        loggers = self._loggers_under_root(config)
+        if is_first_process():
+            self._check_root(config)
+        job = torchrun_job()
+        # A job whose later starts continue its run: torchrun's restarts, or SLURM's requeues of a batch job
+        restarting = job if job is not None and job.restarts_possible else requeueable_job()
+        continued = self._continue_run(config, loggers, restarting)
+        self._take_job_numbers(config, job, continuing=bool(continued))
+        self._claim_run_folder(config, loggers, continued)
+        if restarting is not None and self.subcommand == "fit":
+            self._elastic_run = ElasticRunFolder(restarting, self._claimed, continued, self._elastic_ckpt)
+
+    def _loggers_under_root(self, config) -> list:
+        """The loggers, the default ones under --trainer.default_root_dir, as Lightning's own default logger; a logger
+        given with another save_dir keeps it."""
         root = config.trainer.default_root_dir
         loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
         if with_run_folder(loggers, default_loggers()[0]):
@@ -213,26 +226,34 @@ class CLI(CkptPathRule, LightningCLI):
             init_args = getattr(logger, "init_args", None)
             if root and getattr(logger, "class_path", None) in defaults and init_args.get("save_dir") == ".":
                 init_args.save_dir = str(root)
-        if is_first_process():
-            check_writable(root or Path.cwd())
-        if is_first_process() and self.subcommand == "fit" and config.trainer.logger in (False, []):
+        return loggers
+
+    def _check_root(self, config) -> None:
+        root = config.trainer.default_root_dir
+        check_writable(root or Path.cwd())
+        if self.subcommand == "fit" and config.trainer.logger in (False, []):
             check_loggerless_root(Path(root or "."), config)
-        # Under a launcher, a config file's devices (written for a run of one process) yields to the processes per
-        # node it started; only --trainer.devices on the command line is checked against them.
+
+    def _continue_run(self, config, loggers: list, restarting) -> dict[Path, int]:
+        """A later start of a job that continues its run: the run folders it continues (empty for a first start), the
+        checkpoint it resumes from, and the name its config is recorded under."""
+        if restarting is None or self.subcommand != "fit" or not later_start(restarting):
+            return {}
+        continued, ckpt, config_name = continue_run_folder(loggers, restarting)
+        if config_name:  # config.yaml stays the first start's; each restart records what it ran with beside it
+            self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": config_name, "overwrite": True}
+        if ckpt:
+            self._elastic_ckpt = config.ckpt_path = ckpt
+        return continued
+
+    def _take_job_numbers(self, config, job, continuing: bool) -> None:
+        """The devices and nodes of the launcher, SLURM allocation or pod that started this process. A config file's
+        devices (written for a run of one process) yields to them; only --trainer.devices on the command line is
+        checked against them."""
         argv = sys.argv[1:] if self._args is None else list(self._args)
         devices_given = any(a == "--trainer.devices" or a.startswith("--trainer.devices=") for a in argv)
-        job = torchrun_job()
-        continued: dict[Path, int] = {}
-        # A job whose later starts continue its run: torchrun's restarts, or SLURM's requeues of a batch job
-        restarting = job if job is not None and job.restarts_possible else requeueable_job()
-        if restarting is not None and self.subcommand == "fit" and later_start(restarting):
-            continued, ckpt, config_name = continue_run_folder(loggers, restarting)
-            if config_name:  # config.yaml stays the first start's; each restart records what it ran with beside it
-                self.save_config_kwargs = {**self.save_config_kwargs, "config_filename": config_name, "overwrite": True}
-            if ckpt:
-                self._elastic_ckpt = config.ckpt_path = ckpt
         if job is not None:
-            take_launcher_numbers(config.trainer, job, devices_given, continuing=bool(continued))
+            take_launcher_numbers(config.trainer, job, devices_given, continuing=continuing)
         elif (slurm := slurm_job()) is not None and launcher_ranks() is None:  # (mpirun in an allocation: its own)
             take_slurm_numbers(config.trainer, slurm, devices_given)
         elif (pod := pod_job()) is not None:  # a PyTorchJob's pod: no launcher
@@ -242,15 +263,17 @@ class CLI(CkptPathRule, LightningCLI):
             config.trainer.devices = 1  # the one GPU this rank sees
         elif mpi is not None and not devices_given:
             config.trainer.devices = mpi[3]
+
+    def _claim_run_folder(self, config, loggers: list, continued: dict[Path, int]) -> None:
+        """version_N made now, so that no other run can take it; the trackers' runs named after it, or continued
+        where the checkpoint's run logged."""
         if not config.trainer.get("fast_dev_run"):  # (fast_dev_run logs nothing: Lightning swaps the loggers out)
-            self._claimed = claim_versions(loggers, continued)  # version_N made now: no other run can take it
+            self._claimed = claim_versions(loggers, continued)
             before_stopping(self._release_unused)  # a peer failed before the group formed: nothing left behind
         ckpt = self._resolved or config.get("ckpt_path")
-        if ckpt and ckpt not in ("last", "best", "hpc"):  # a tracker's run goes on where the checkpoint's run logged
+        if ckpt and ckpt not in ("last", "best", "hpc"):
             continue_tracker_runs(loggers, self._load(ckpt, bool(config.get("allow_remote_ckpt"))), ckpt)
         name_tracker_runs(loggers, next(iter(self._claimed), None))  # a new tracker run: after its run folder
-        if restarting is not None and self.subcommand == "fit":
-            self._elastic_run = ElasticRunFolder(restarting, self._claimed, continued, self._elastic_ckpt)
 
     def _release_unused(self) -> None:
         release_if_unused(self._claimed)  # a run that failed before doing anything leaves no folder

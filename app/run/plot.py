@@ -151,16 +151,22 @@ def panels(
     metrics (per epoch, or per step only: ``steps``), then the training speed."""
     declared = [*(spec.plot_panels if spec else ()), SPEED]
     known = [(title, tuple(names)) for title, names in declared if any(series.get(n) for n in names)]
-    shown = {n for _, names in declared for n in names}
+    others = _undeclared_families(series, {n for _, names in declared for n in names}, steps)
+    speed = [panel for panel in known if panel[0] == SPEED[0]]
+    return [p for p in known if p not in speed] + [(f, tuple(names)) for f, names in sorted(others.items())] + speed
+
+
+def _undeclared_families(series: dict[str, list], shown: set[str], steps) -> dict[str, list[str]]:
+    """The metrics no declared panel shows, by :func:`family`; a metric logged per step only gets its family too
+    (its steps are drawn there)."""
     shown_families = {family(n) for n in shown}
     others: dict[str, list[str]] = defaultdict(list)
     for name in sorted(n for n in series if n not in shown and not n.startswith("perf/") and series[n]):
         others[family(name)].append(name)
-    for name in steps:  # a metric logged per step only still gets its panel, its steps drawn there
+    for name in steps:
         if family(name) not in others and family(name) not in shown_families:
             others[family(name)] = []
-    speed = [panel for panel in known if panel[0] == SPEED[0]]
-    return [p for p in known if p not in speed] + [(f, tuple(names)) for f, names in sorted(others.items())] + speed
+    return others
 
 
 def step_series(run_dir: Path, name: str) -> list[tuple[float, float]]:
@@ -284,28 +290,9 @@ def figure(run_dir: str | Path, model: str | type | None = None):
         raise UserError(f"{metrics_csv}: no per-epoch metrics yet (has an epoch finished?)")
     tested = tests_of(run_dir)
     fig, axes = plt.subplots(1, len(layout), figsize=(5 * len(layout), 3.8), constrained_layout=True, squeeze=False)
-    axes = list(axes[0])
-    for ax, (title, names) in zip(axes, layout, strict=True):
-        families = {family(name) for name in names} or {title}
-        for each_step in (name for name in steps if family(name) in families):
-            if points := step_series(run_dir, each_step):
-                faint = {"color": "0.6", "linewidth": 0.8, "alpha": 0.6}
-                ax.plot(*zip(*points, strict=True), **faint, label=f"{each_step} (per step)")
-        for name in names:
-            if series.get(name):
-                ax.plot(*zip(*series[name], strict=True), marker="o", label=name)
-        panel_metrics = {name.rpartition("/")[2].removesuffix("_epoch") for name in names}
-        for metric, label, value in tested:
-            if metric.removeprefix("test/") in panel_metrics:
-                ax.axhline(value, color="black", linestyle="--", linewidth=1, label=label)
-        ax.set_title(title)
-        ax.set_xlabel("epoch")
+    for ax, (title, names) in zip(list(axes[0]), layout, strict=True):
+        draw_panel(ax, title, names, run_dir, series, steps, tested)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole numbers
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
-        if title == SPEED[0]:
-            ax.set_ylim(bottom=0)  # speed from 0: run-to-run noise is not a trend
     source = data_source(run_dir, spec)
     if spec is not None and source in spec.stand_in_data:
         fig.suptitle(
@@ -314,6 +301,30 @@ def figure(run_dir: str | Path, model: str | type | None = None):
     else:
         fig.suptitle(f"{run_dir}  —  data: {source}" if source else str(run_dir))
     return fig
+
+
+def draw_panel(ax, title: str, names: tuple[str, ...], run_dir: Path, series: dict, steps, tested: list) -> None:
+    """One panel: its per-step values faint, its per-epoch values with markers, the test scores of its metrics as
+    dashed lines."""
+    families = {family(name) for name in names} or {title}
+    for each_step in (name for name in steps if family(name) in families):
+        if points := step_series(run_dir, each_step):
+            faint = {"color": "0.6", "linewidth": 0.8, "alpha": 0.6}
+            ax.plot(*zip(*points, strict=True), **faint, label=f"{each_step} (per step)")
+    for name in names:
+        if series.get(name):
+            ax.plot(*zip(*series[name], strict=True), marker="o", label=name)
+    panel_metrics = {name.rpartition("/")[2].removesuffix("_epoch") for name in names}
+    for metric, label, value in tested:
+        if metric.removeprefix("test/") in panel_metrics:
+            ax.axhline(value, color="black", linestyle="--", linewidth=1, label=label)
+    ax.set_title(title)
+    ax.set_xlabel("epoch")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+        ax.legend()
+    if title == SPEED[0]:
+        ax.set_ylim(bottom=0)  # speed from 0: run-to-run noise is not a trend
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None, model: str | type | None = None) -> Path:

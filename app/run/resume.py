@@ -229,6 +229,22 @@ def best_checkpoint_of(last: Path, load=load_checkpoint) -> Path | None:
     return None
 
 
+def check_writer(checkpoint: dict, ckpt_path, model_class: type, class_path: str) -> None:
+    """A checkpoint written by another model class, or with hyperparameters this class does not take: one line
+    naming the class (and data class) to pass."""
+    saved = {k for k in checkpoint["hyper_parameters"] if not k.startswith("_")}
+    writer = saved_class(checkpoint)
+    known = init_parameters(model_class)
+    unknown = sorted(saved - set(known)) if known is not None else []
+    if (writer and writer != class_path) or unknown:
+        wrote = f"written by {writer}" if writer else f"unknown hyperparameters {unknown}"
+        fix = f"pass --model={writer}" if writer else "pass the --model class it was trained with"
+        data_writer = checkpoint.get("datamodule_hyper_parameters", {}).get("_class_path")
+        if writer and data_writer:
+            fix += f" --data={data_writer}"
+        raise UserError(f"{ckpt_path}: not a checkpoint of {class_path} ({wrote}); {fix}, or another --ckpt_path")
+
+
 class CkptPathRule:
     """The ``--ckpt_path`` rule, as steps of :class:`app.run.cli.CLI` (a LightningCLI): the checkpoint's settings taken
     into the parsed config before the classes are built (:meth:`_parse_ckpt_path`, LightningCLI's own step), then
@@ -279,17 +295,16 @@ class CkptPathRule:
         saved = {k: v for k, v in checkpoint["hyper_parameters"].items() if not k.startswith("_")}
         model_class = self._chosen_model_class(subcommand)
         class_path = f"{model_class.__module__}.{model_class.__qualname__}"
-        writer = saved_class(checkpoint)
-        known = init_parameters(model_class)
-        unknown = sorted(set(saved) - set(known)) if known is not None else []
-        if (writer and writer != class_path) or unknown:
-            wrote = f"written by {writer}" if writer else f"unknown hyperparameters {unknown}"
-            fix = f"pass --model={writer}" if writer else "pass the --model class it was trained with"
-            data_writer = checkpoint.get("datamodule_hyper_parameters", {}).get("_class_path")
-            if writer and data_writer:
-                fix += f" --data={data_writer}"
-            raise UserError(f"{ckpt_path}: not a checkpoint of {class_path} ({wrote}); {fix}, or another --ckpt_path")
-        network = spec_of(model_class).network
+        check_writer(checkpoint, ckpt_path, model_class, class_path)
+        taken, notes = self._settings_taken(subcommand, ckpt_path, saved, spec_of(model_class).network)
+        if notes:
+            rank_zero_info(f"--ckpt_path {ckpt_path}: the checkpoint's network and settings, except {', '.join(notes)}")
+        model = {"class_path": class_path, "init_args": taken} if self.subclass_mode_model else taken
+        self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
+
+    def _settings_taken(self, subcommand: str, ckpt_path, saved: dict, network) -> tuple[dict, list[str]]:
+        """The checkpoint's model arguments this command takes (the network's always, a setting where none is given),
+        and the notices naming the given settings that win over the checkpoint's."""
         explicit = self._explicit_model_settings(subcommand)
         given = self._init_args(self.config[subcommand], "model")
         for key in network:
@@ -310,10 +325,7 @@ class CkptPathRule:
             if k not in (*network, "optimizer") and k in saved and changed(explicit[k], saved[k])
         ]
         notes += [f"--model.optimizer.{k}={v}" for k, v in self._optimizer_overrides.items()]
-        if notes:
-            rank_zero_info(f"--ckpt_path {ckpt_path}: the checkpoint's network and settings, except {', '.join(notes)}")
-        model = {"class_path": class_path, "init_args": taken} if self.subclass_mode_model else taken
-        self.config = self.parser.parse_object({subcommand: {"model": model}}, self.config)
+        return taken, notes
 
     def _settings(self, subcommand: str) -> dict | None:
         """This command's settings as its run's config.yaml will hold them (the parser's own dump), or None where
@@ -348,19 +360,7 @@ class CkptPathRule:
         config = self.config_init[self.subcommand]
         ckpt_path = given = config.get("ckpt_path")
         if given in ("last", "best"):
-            # the file whose settings the parsed config took (one resolution); else one of a ModelCheckpoint's own
-            # folder, which only the trainer knows
-            found = Path(self._resolved) if self._resolved else find_last_checkpoint(self.trainer)
-            if found is not None and given == "best" and not self._resolved:
-                found = best_checkpoint_of(found, self._load)
-            if found is None:
-                if given == "best" or self.subcommand != "fit":
-                    what = "best checkpoint" if given == "best" else "last.ckpt"
-                    raise UserError(
-                        f"--ckpt_path {given}: no {what} under {log_root(self.trainer)}/ yet; train first, or pass "
-                        "a checkpoint file"
-                    )
-                rank_zero_info(f"--ckpt_path last: no last.ckpt under {log_root(self.trainer)}/ yet; starting fresh")
+            found = self._last_or_best(given)
             ckpt_path = None if found is None else str(found)
         if ckpt_path is None or ckpt_path == "hpc":
             config["ckpt_path"] = self.config[self.subcommand]["ckpt_path"] = ckpt_path
@@ -381,17 +381,42 @@ class CkptPathRule:
             )
         if self.subcommand == "fit":
             nothing_left_to_train(checkpoint, ckpt_path, self.trainer)
+        self._say_resuming(ckpt_path, given, checkpoint.get("global_step", "?"))
+        if "://" not in str(ckpt_path):
+            ckpt_path = str(Path(ckpt_path).resolve())
+        config["ckpt_path"] = self.config[self.subcommand]["ckpt_path"] = ckpt_path
+
+    def _last_or_best(self, given: str) -> Path | None:
+        """The file ``--ckpt_path last`` or ``best`` names: the one whose settings the parsed config took (one
+        resolution), else one of a ModelCheckpoint's own folder, which only the trainer knows. None where fit starts
+        fresh; an error where nothing can be done without one."""
+        found = Path(self._resolved) if self._resolved else find_last_checkpoint(self.trainer)
+        if found is not None and given == "best" and not self._resolved:
+            found = best_checkpoint_of(found, self._load)
+        if found is None:
+            if given == "best" or self.subcommand != "fit":
+                what = "best checkpoint" if given == "best" else "last.ckpt"
+                raise UserError(
+                    f"--ckpt_path {given}: no {what} under {log_root(self.trainer)}/ yet; train first, or pass "
+                    "a checkpoint file"
+                )
+            rank_zero_info(f"--ckpt_path last: no last.ckpt under {log_root(self.trainer)}/ yet; starting fresh")
+        return found
+
+    def _say_resuming(self, ckpt_path: str, given: str, step) -> None:
+        """The one line saying what the run continues: a torchrun restart's, a SLURM requeue's, a fit's, or the file
+        ``last``/``best`` named."""
         prefix = f"--ckpt_path {given}: " if given != ckpt_path else ""
         if ckpt_path == self._elastic_ckpt and (job := torchrun_job()) is not None and job.restarts_possible:
             what = f"restart {job.restart_count} of at most {job.max_restarts}" if job.restart_count else "re-formed"
             rank_zero_info(
                 f"torchrun {what}: {job.world_size} process(es) on {job.nodes} node(s), resuming from {ckpt_path} "
-                f"(step {checkpoint.get('global_step', '?')}) in the same run folder"
+                f"(step {step}) in the same run folder"
             )
         elif ckpt_path == self._elastic_ckpt and (slurm := requeueable_job()) is not None:
             rank_zero_info(
                 f"SLURM job {slurm.job_id}, start {slurm.restart_count + 1} (requeued {slurm.restart_count} time(s)): "
-                f"resuming from {ckpt_path} (step {checkpoint.get('global_step', '?')}) in the same run folder"
+                f"resuming from {ckpt_path} (step {step}) in the same run folder"
             )
         elif self.subcommand == "fit":
             where = (
@@ -399,9 +424,6 @@ class CkptPathRule:
                 if not self.trainer.loggers
                 else "this run logs to a new version folder, and cli.py plot of it draws the earlier run's curve too"
             )
-            rank_zero_info(f"{prefix}resuming from {ckpt_path} (step {checkpoint.get('global_step', '?')}); {where}")
+            rank_zero_info(f"{prefix}resuming from {ckpt_path} (step {step}); {where}")
         elif prefix:
             rank_zero_info(f"{prefix}{ckpt_path}")
-        if "://" not in str(ckpt_path):
-            ckpt_path = str(Path(ckpt_path).resolve())
-        config["ckpt_path"] = self.config[self.subcommand]["ckpt_path"] = ckpt_path

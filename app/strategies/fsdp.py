@@ -51,6 +51,21 @@ from app.task import match_modules, spec_of
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 
 
+def check_shardable(model: nn.Module) -> None:
+    """FSDP2 shards submodules, and contiguous parameters only: a model's own parameters are refused in one line, and
+    channels_last weights go back to NCHW ("does not support non-contiguous parameters yet"). A channels_last task's
+    activations stay NHWC, and its convolutions with them."""
+    own = [name for name, _ in model.named_parameters(recurse=False)]
+    if own:
+        raise UserError(
+            f"--trainer.strategy=fsdp shards the submodules of {type(model).__name__}, but the parameters "
+            f"{', '.join(own)} are its own: move them into a submodule (self.net = ...)"
+        )
+    if any(not p.is_contiguous() for p in model.parameters()):
+        model.to(memory_format=torch.contiguous_format)
+        rank_zero_info("fsdp: weights kept in the contiguous layout, which FSDP2 shards (activations unchanged)")
+
+
 class FSDPStrategy(SplitModelStrategy):
     strategy_name = "fsdp"
     refusals = {
@@ -115,44 +130,20 @@ class FSDPStrategy(SplitModelStrategy):
     # ---------------------------------------------------------------- shard the model
     def split(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import FSDPModule, fully_shard
 
         if _is_sharded(model) or not (dist.is_available() and dist.is_initialized()):
             return model  # (trainer.test after trainer.fit: sharded already)
         self.units = []
-
-        own = [name for name, _ in model.named_parameters(recurse=False)]
-        if own:
-            raise UserError(
-                f"--trainer.strategy=fsdp shards the submodules of {type(model).__name__}, but the parameters "
-                f"{', '.join(own)} are its own: move them into a submodule (self.net = ...)"
-            )
-        if any(not p.is_contiguous() for p in model.parameters()):
-            # FSDP2 shards contiguous parameters only ("does not support non-contiguous parameters yet"): weights
-            # back in NCHW. A channels_last task's activations stay NHWC, and its convolutions with them.
-            model.to(memory_format=torch.contiguous_format)
-            rank_zero_info("fsdp: weights kept in the contiguous layout, which FSDP2 shards (activations unchanged)")
+        check_shardable(model)
         mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
         options = {"mesh": mesh, "reshard_after_forward": self.reshard_after_forward}
         policy = self._mixed_precision(model)
         if policy is not None:
             options["mp_policy"] = policy
         if policy is not None and policy.param_dtype not in (None, torch.float32):
-            # BatchNorm keeps float32 weights (its running statistics are float32 buffers, which FSDP does not cast,
-            # and batch_norm takes no bfloat16 weights with them); it normalises bfloat16 inputs as autocast does
-            keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=policy.reduce_dtype)
-            for name, norm in model.named_modules():
-                if isinstance(norm, _BatchNorm) and any(True for _ in norm.parameters()):
-                    fully_shard(norm, **{**options, "mp_policy": keep})
-                    self.units.append(name)
-        targets = self.blocks or spec_of(model).blocks
-        blocks = match_modules(model, targets) if targets else []
-        if self.blocks and not blocks:
-            raise UserError(
-                f"--trainer.strategy.blocks={list(self.blocks)} matches no module of {type(model).__name__}; give "
-                "class names (e.g. BasicBlock) or paths as in named_modules() (e.g. net.layer1)"
-            )
-        for path, block in blocks:
+            self._shard_batchnorm_in_float32(model, options)
+        for path, block in self._blocks(model):
             fully_shard(block, **options)
             self.units.append(path)
         for name, child in model.named_children():
@@ -161,6 +152,28 @@ class FSDPStrategy(SplitModelStrategy):
             fully_shard(child, **options)  # what the blocks leave: the stem, the head
             self.units.append(name)
         return model
+
+    def _shard_batchnorm_in_float32(self, model: nn.Module, options: dict) -> None:
+        """BatchNorm keeps float32 weights (its running statistics are float32 buffers, which FSDP does not cast, and
+        batch_norm takes no bfloat16 weights with them); it normalises bfloat16 inputs as autocast does."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        keep = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=options["mp_policy"].reduce_dtype)
+        for name, norm in model.named_modules():
+            if isinstance(norm, _BatchNorm) and any(True for _ in norm.parameters()):
+                fully_shard(norm, **{**options, "mp_policy": keep})
+                self.units.append(name)
+
+    def _blocks(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        """The blocks each sharded on their own: --trainer.strategy.blocks, else the task's ``spec.blocks``."""
+        targets = self.blocks or spec_of(model).blocks
+        blocks = match_modules(model, targets) if targets else []
+        if self.blocks and not blocks:
+            raise UserError(
+                f"--trainer.strategy.blocks={list(self.blocks)} matches no module of {type(model).__name__}; give "
+                "class names (e.g. BasicBlock) or paths as in named_modules() (e.g. net.layer1)"
+            )
+        return blocks
 
     def _mixed_precision(self, model: nn.Module):
         from torch.distributed.fsdp import MixedPrecisionPolicy

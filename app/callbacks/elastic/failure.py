@@ -185,18 +185,8 @@ class SaveOnFailure:
         step, loops = self.last_step
         if trainer.global_step != step:
             return False  # failed between an optimizer step and its batch's end: the weights are past the position
-        if parallelism(trainer.strategy).sharded:  # fsdp, pipeline: no rank holds the whole state, and the
-            # lost one's part is gone with it; the restart goes on from the last checkpoint on disk, as a resume would
-            written = trainer.checkpoint_callback.last_model_path
-            since = f"the last checkpoint written ({written})" if written and Path(written).is_file() else "the start"
-            part = "a stage's layers" if parallelism(trainer.strategy).stages > 1 else "a shard"
-            failure = f"{type(exception).__name__} after step {step}" if exception else f"After step {step}"
-            say(
-                trainer,
-                f"[rank {trainer.global_rank}] {failure}: under "
-                f"{trainer.strategy.strategy_name} each rank holds {part} of the state and the lost rank's is gone, "
-                f"so none is saved here; a restart goes on from {since}",
-            )
+        if parallelism(trainer.strategy).sharded:
+            say_nothing_saved(trainer, step, exception)
             return True
         if trainer.validating:  # the weights are the last step's; the restart validates this epoch again in full
             loops = fit_loop_state(trainer)
@@ -208,52 +198,82 @@ class SaveOnFailure:
         metrics = dict(trainer.callback_metrics, epoch=trainer.current_epoch, step=step)
         path = callback.format_checkpoint_name(metrics, callback.CHECKPOINT_NAME_LAST)
         callback.last_model_path = path
-        strategy = trainer.strategy
-        self.saving_loops = loops
-        self.saving_row = self.step_row
-        # The process group is broken: no barrier after the save, and every survivor writes (rank 0 may be gone).
-        # Under the horovod launcher the save is announced to it before the file is in place (saved_state_announcer):
-        # a rank that the launcher kills at any moment of the save leaves what the launcher then says.
-        announce = saved_state_announcer(trainer.global_rank, str(path))
-        checkpoint_io = strategy.checkpoint_io
-        newer = None
-        with saving_alone(strategy) as captured:
-            try:
-                trainer.save_checkpoint(path, weights_only=False)
-                if isinstance(checkpoint_io, SafeCheckpointIO):
-                    # A node cut off from a shared run folder saves late: the nodes that went on may have written
-                    # a later last.ckpt by then, which stays (checked just before the rename)
-                    def later() -> bool:
-                        nonlocal newer
-                        newer = saved_at_step(path)
-                        return newer is not None and newer > step
-
-                    checkpoint_io.save_checkpoint(captured["checkpoint"], path, announce=announce, unless=later)
-                else:
-                    checkpoint_io.save_checkpoint(captured["checkpoint"], path)
-                    report_saved_state(trainer.global_rank, str(path))  # another checkpoint_io: once written
-            except Exception as err:  # noqa: BLE001 - the original failure is what the user must see
-                say(trainer, f"[rank {trainer.global_rank}] could not save the state after step {step}: {err}")
-                return True
-            finally:
-                self.saving_loops = self.saving_row = None
+        self.saving_loops, self.saving_row = loops, self.step_row
+        try:
+            newer = save_alone(trainer, path, step)
+        except Exception as err:  # noqa: BLE001 - the original failure is what the user must see
+            say(trainer, f"[rank {trainer.global_rank}] could not save the state after step {step}: {err}")
+            return True
+        finally:
+            self.saving_loops = self.saving_row = None
         if newer is not None and newer > step:
             saved = f"{path} holds step {newer}, later than this rank's step {step}, and stays as it is"
         else:
             self.saved_after_failure = str(path)
             saved = f"Saved the state after step {step} to {path}"
-        watchdog = stop_plan(trainer).watchdog
-        said = f"[rank {trainer.global_rank}] "  # from the watchdog thread, its own line said what failed
-        if exception is not None:  # shortened at a word, not "the remote w."
-            said += f"{type(exception).__name__}: {textwrap.shorten(str(exception), 200, placeholder=' ...')}. "
-        verdict = None if watchdog is None else watchdog.verdict
-        if exception is None and verdict:  # a cut-off node: its verdict and its save in one line
-            said = f"{verdict} "
-        if watchdog is not None and watchdog.cut_off:
-            then = REJOIN.split(": ", 1)[1] if said.startswith("error:") else REJOIN  # (the verdict said it lost it)
-        elif restarts_left():
-            then = f"{restart_after_failure()} from there"
-        else:
-            then = "no restart is left: continue with the same command plus --ckpt_path last"
-        say(trainer, f"{said}{saved}; {then}")
+        start = saved_line_start(trainer, exception)
+        say(trainer, f"{start}{saved}; {what_then(trainer, verdict_said=start.startswith('error:'))}")
         return True
+
+
+def say_nothing_saved(trainer, step: int, exception: BaseException | None) -> None:
+    """fsdp, pipeline: no rank holds the whole state, and the lost one's part is gone with it; the restart goes on
+    from the last checkpoint on disk, as a resume would."""
+    written = trainer.checkpoint_callback.last_model_path
+    since = f"the last checkpoint written ({written})" if written and Path(written).is_file() else "the start"
+    part = "a stage's layers" if parallelism(trainer.strategy).stages > 1 else "a shard"
+    failure = f"{type(exception).__name__} after step {step}" if exception else f"After step {step}"
+    say(
+        trainer,
+        f"[rank {trainer.global_rank}] {failure}: under {trainer.strategy.strategy_name} each rank holds {part} of the "
+        f"state and the lost rank's is gone, so none is saved here; a restart goes on from {since}",
+    )
+
+
+def save_alone(trainer, path: str, step: int) -> int | None:
+    """``trainer.save_checkpoint`` on a broken process group: no barrier after the save, and every survivor writes
+    (rank 0 may be gone). Returns the step of a later ``last.ckpt`` found in place (kept), or None.
+
+    Under the horovod launcher the save is announced to it before the file is in place (saved_state_announcer): a
+    rank that the launcher kills at any moment of the save leaves what the launcher then says. A node cut off from a
+    shared run folder saves late: the nodes that went on may have written a later last.ckpt by then, which stays
+    (checked just before the rename)."""
+    strategy, newer = trainer.strategy, None
+    checkpoint_io = strategy.checkpoint_io
+    with saving_alone(strategy) as captured:
+        trainer.save_checkpoint(path, weights_only=False)
+        if not isinstance(checkpoint_io, SafeCheckpointIO):
+            checkpoint_io.save_checkpoint(captured["checkpoint"], path)
+            report_saved_state(trainer.global_rank, str(path))  # another checkpoint_io: once written
+            return None
+
+        def later() -> bool:
+            nonlocal newer
+            newer = saved_at_step(path)
+            return newer is not None and newer > step
+
+        announce = saved_state_announcer(trainer.global_rank, str(path))
+        checkpoint_io.save_checkpoint(captured["checkpoint"], path, announce=announce, unless=later)
+    return newer
+
+
+def saved_line_start(trainer, exception: BaseException | None) -> str:
+    """What the survivor's line says first: the failed collective's error, or from the watchdog thread, whose own
+    line said what failed, nothing more (a cut-off node: its verdict, so that verdict and save are one line)."""
+    said = f"[rank {trainer.global_rank}] "
+    if exception is not None:  # shortened at a word, not "the remote w."
+        return said + f"{type(exception).__name__}: {textwrap.shorten(str(exception), 200, placeholder=' ...')}. "
+    watchdog = stop_plan(trainer).watchdog
+    verdict = None if watchdog is None else watchdog.verdict
+    return f"{verdict} " if verdict else said
+
+
+def what_then(trainer, verdict_said: bool) -> str:
+    """What comes after the survivor's save: the cut-off node's way back (``verdict_said``: its line already said it
+    lost the network), the launcher's restart, or the command."""
+    watchdog = stop_plan(trainer).watchdog
+    if watchdog is not None and watchdog.cut_off:
+        return REJOIN.split(": ", 1)[1] if verdict_said else REJOIN
+    if restarts_left():
+        return f"{restart_after_failure()} from there"
+    return "no restart is left: continue with the same command plus --ckpt_path last"
