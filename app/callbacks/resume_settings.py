@@ -94,25 +94,40 @@ def apply_changes(checkpoint: dict, now: dict, then: dict, ckpt_path: str) -> li
         for number, (new_group, old_group, group) in enumerate(
             zip(built["groups"], old["groups"], groups, strict=False)
         ):
-            for key, value in new_group.items():
-                if key in old_group and _same(old_group[key], value):
-                    continue
-                before = group.get(key)
-                group[key] = _scaled_lr(before, old_group[key], value) if key == "lr" and key in old_group else value
-                if key != "initial_lr":
-                    where = f" (group {number})" if len(groups) > 1 else ""
-                    changes.append(f"{key}{where} {_shown(before)} -> {_shown(group[key])}")
+            where = f" (group {number})" if len(groups) > 1 else ""
+            changes += _change_group(group, new_group, old_group, where)
     restored_schedulers = checkpoint.get("lr_schedulers", [])
     for built, old, state in zip(now["schedulers"], then.get("schedulers", []), restored_schedulers, strict=False):
-        if built["class"] != old["class"]:
-            continue  # Lightning loads the state it has; a scheduler of another class is the task's to refuse
-        for key, value in built["state"].items():
-            if key == "_last_lr" or (key in old["state"] and _same(old["state"][key], value)):
-                continue  # (_last_lr: what the scheduler last set, which its next step sets again)
-            before = state.get(key)
-            state[key] = value
-            if key != "base_lrs":  # (an lr change, named with the optimizer's)
-                changes.append(f"{built['class']}.{key} {_shown(before)} -> {_shown(value)}")
+        if built["class"] == old["class"]:  # (a scheduler of another class is the task's to refuse)
+            changes += _change_scheduler(state, built, old)
+    return changes
+
+
+def _change_group(group: dict, new: dict, old: dict, where: str) -> list[str]:
+    """A restored parameter group with the settings that changed since ``old`` set to ``new``'s (its lr scaled as
+    :func:`_scaled_lr` says); what changed."""
+    changes = []
+    for key, value in new.items():
+        if key in old and _same(old[key], value):
+            continue
+        before = group.get(key)
+        group[key] = _scaled_lr(before, old[key], value) if key == "lr" and key in old else value
+        if key != "initial_lr":
+            changes.append(f"{key}{where} {_shown(before)} -> {_shown(group[key])}")
+    return changes
+
+
+def _change_scheduler(state: dict, built: dict, old: dict) -> list[str]:
+    """A restored scheduler's state with the settings that changed since ``old`` set to ``built``'s; what changed
+    (an lr change is named with the optimizer's)."""
+    changes = []
+    for key, value in built["state"].items():
+        if key == "_last_lr" or (key in old["state"] and _same(old["state"][key], value)):
+            continue  # (_last_lr: what the scheduler last set, which its next step sets again)
+        before = state.get(key)
+        state[key] = value
+        if key != "base_lrs":
+            changes.append(f"{built['class']}.{key} {_shown(before)} -> {_shown(value)}")
     return changes
 
 

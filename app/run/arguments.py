@@ -38,18 +38,8 @@ def nested_option_error(line: str) -> str | None:
     """jsonargparse's union error for an option of a class given by name or class path (``--trainer.strategy.op``,
     ``--trainer.callbacks.hook``), or under its ``init_args`` in a YAML file, as one sentence: the flag or the YAML
     key, what is wrong, and the choices or the closest option."""
-    group = re.search(r'Parser key "([\w.]+)": Does not validate against any of the Union subtypes', line)
-    # the value as jsonargparse parsed it: a string in quotes, or a list (--trainer.strategy.balance=[a,b])
-    given = re.search(r"NestedArg\(key='([\w.]+)', val=('[^']*'|.*?)\)(?= |$)", line)
-    if group and given:
-        key, value = given.groups()
-        flag = f"--{group.group(1)}.{key}={value[1:-1] if value.startswith(chr(39)) else value}"
-    elif group:  # a YAML file's class_path and init_args: the key with its file's path (Parser.error adds the file)
-        key, value = _yaml_init_arg(line)
-        if key is None:
-            return None
-        flag = f"{group.group(1)}.init_args.{key}" + (f": {value}" if value is not None else "")
-    else:
+    flag, key = _nested_flag(line)
+    if flag is None:
         return None
     problem = re.search(
         rf"Problem with given class_path '([\w.]+)': (?:Parser key \"{re.escape(key)}\": (.*?)(?= - |$)|"
@@ -59,26 +49,46 @@ def nested_option_error(line: str) -> str | None:
     if problem is None:
         return None
     class_path, wrong_value, unknown = problem.groups()
-    name = class_path.rsplit(".", 1)[1]
     if unknown:
         flag = flag if flag.startswith("--") else flag.split(": ")[0]  # a YAML key: its value says nothing here
         parameters = inspect.signature(import_class(class_path).__init__).parameters
         options = [p for p in parameters if p not in ("self", "args")]
         close = difflib.get_close_matches(key, options, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        return f"{flag}: {name} has no option {key!r}{hint}; its options: {', '.join(options)}"
+        return f"{flag}: {class_path.rsplit('.', 1)[1]} has no option {key!r}{hint}; its options: {', '.join(options)}"
+    return f"{flag}: {_wrong_value(wrong_value)}"
+
+
+def _nested_flag(line: str) -> tuple[str | None, str | None]:
+    """The flag (``--trainer.strategy.op=x``) or YAML key (``trainer.strategy.init_args.op: x``) of a nested option's
+    union error, and the option's name; ``(None, None)`` for another error."""
+    group = re.search(r'Parser key "([\w.]+)": Does not validate against any of the Union subtypes', line)
+    if group is None:
+        return None, None
+    # the value as jsonargparse parsed it: a string in quotes, or a list (--trainer.strategy.balance=[a,b])
+    given = re.search(r"NestedArg\(key='([\w.]+)', val=('[^']*'|.*?)\)(?= |$)", line)
+    if given:
+        key, value = given.groups()
+        return f"--{group.group(1)}.{key}={value[1:-1] if value.startswith(chr(39)) else value}", key
+    # a YAML file's class_path and init_args: the key with its file's path (Parser.error adds the file)
+    key, value = _yaml_init_arg(line)
+    if key is None:
+        return None, None
+    return f"{group.group(1)}.init_args.{key}" + (f": {value}" if value is not None else ""), key
+
+
+def _wrong_value(wrong_value: str) -> str:
+    """What jsonargparse says of a nested option's value, as what it must be."""
     choices = re.search(r"Expected a typing\.Literal\[(.*?)\]", wrong_value)
     if choices:
-        return f"{flag}: must be one of {', '.join(c.strip().strip(chr(39)) for c in choices.group(1).split(','))}"
+        return f"must be one of {', '.join(c.strip().strip(chr(39)) for c in choices.group(1).split(','))}"
     plain = re.match(r"Expected a (<class '(?:int|float|bool)'>)\. Got value:", wrong_value)
     if plain:
-        return f"{flag}: expected {plain_types([plain.group(1)])}"
+        return f"expected {plain_types([plain.group(1)])}"
     # an option that may also be left unset (reduce_dtype: Literal[...] | None, stages: int | None): a union
     subtypes = re.search(r"Subtypes: \[(.*?)\] Errors:", wrong_value)
     expected = expectation(subtypes.group(1)) if subtypes else None
-    if expected:
-        return f"{flag}: {expected}"
-    return f"{flag}: {wrong_value.split(' Given value type:')[0].strip()}"
+    return expected or wrong_value.split(" Given value type:")[0].strip()
 
 
 def _yaml_init_arg(line: str) -> tuple[str | None, object]:
@@ -145,6 +155,13 @@ def union_error(line: str) -> str | None:
 LIST_TYPES = {"list[int]": "a list of whole numbers", "list[float]": "a list of numbers", "list[str]": "a list"}
 
 
+def _expected_kinds(types: list[str]) -> str:
+    """``expected a whole number or a list of numbers``: what plain and list types ask for."""
+    plain = [t for t in types if t in PLAIN_TYPES]
+    kinds = ([plain_types(plain)] if plain else []) + [LIST_TYPES[t] for t in types if t in LIST_TYPES]
+    return f"expected {' or '.join(kinds)}"
+
+
 def expectation(subtypes: str) -> str | None:
     """What a value must be, from the ``Subtypes: [...]`` of jsonargparse's union error: "must be one of ..." when
     the types are literals, "expected a whole number" (or a list of them) for plain types; None for others (classes).
@@ -154,18 +171,11 @@ def expectation(subtypes: str) -> str | None:
     if not types:
         return None
     if all(t in PLAIN_TYPES or t in LIST_TYPES for t in types):  # --trainer.max_epochs=abc
-        plain = [t for t in types if t in PLAIN_TYPES]
-        kinds = ([plain_types(plain)] if plain else []) + [LIST_TYPES[t] for t in types if t in LIST_TYPES]
-        return f"expected {' or '.join(kinds)}"
+        return _expected_kinds(types)
     if not all(t.startswith("typing.Literal[") for t in types):
         return None
-    choices: list[str] = []
-    for literal in types:
-        for choice in re.findall(r"'([^']*)'|(-?\d+)", literal.removeprefix("typing.Literal[")):
-            text = choice[0] or choice[1]
-            if text not in choices:
-                choices.append(text)
-    return f"must be one of {', '.join(choices)}"
+    found = (c[0] or c[1] for t in types for c in re.findall(r"'([^']*)'|(-?\d+)", t.removeprefix("typing.Literal[")))
+    return f"must be one of {', '.join(dict.fromkeys(found))}"
 
 
 # An optimizer's arguments, given as --model.lr: they are --model.optimizer.lr.
@@ -194,14 +204,14 @@ class Parser(LightningArgumentParser):
             line = f"{holder}: {line}"
         nested = nested_option_error(line)
         if nested and not nested.startswith("--"):  # a key of a YAML file: which file holds it
-            holder = self._file_holding(nested.split(":")[0])
-            nested = f"{holder}: {nested}" if holder is not None else nested
+            nested = self._in_its_file(nested)
         line = nested or union_error(line) or line
-        prog = parser.prog.replace(" [options]", "")
-        script, _, rest = prog.partition(" ")
-        if Path(sys.argv[0]).name == script:  # the script as the user typed it: from another folder, its path
-            prog = f"{sys.argv[0]} {rest}".strip()
-        raise UserError(f"{line}; see: python {prog} --help")
+        raise UserError(f"{line}; see: python {typed_prog(parser)} --help")
+
+    def _in_its_file(self, line: str) -> str:
+        """``line`` about a YAML key (``trainer.strategy.init_args.op: x``) with the --config file that holds it."""
+        holder = self._file_holding(line.split(":")[0])
+        return f"{holder}: {line}" if holder is not None else line
 
     def _file_holding(self, key: str) -> Path | None:
         """The --config file of this command line that holds ``key`` (``trainer.max_epoch``), or None."""
@@ -215,6 +225,13 @@ class Parser(LightningArgumentParser):
             if action.dest == "ckpt_path":
                 action.help = CKPT_PATH_HELP
         return added
+
+
+def typed_prog(parser) -> str:
+    """The command as the user typed it (``cli.py fit``; from another folder, the script's path)."""
+    prog = parser.prog.replace(" [options]", "")
+    script, _, rest = prog.partition(" ")
+    return f"{sys.argv[0]} {rest}".strip() if Path(sys.argv[0]).name == script else prog
 
 
 def closest_flag(unknown: list[str], flags: list[str], line: str) -> str:

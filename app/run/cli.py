@@ -17,6 +17,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -113,21 +114,26 @@ class CLI(CkptPathRule, LightningCLI):
                 self._release_unused()
             if self._seed_line is not None:
                 self._seed_line.drop()
-            latest = UserError.latest
-            # a class (strategy, callback, model) refused a value while jsonargparse built it: jsonargparse
-            # reports the message inside a union error of its own; say only ours
-            wrapped = isinstance(err, ValueError) and latest is not None and latest is not err
-            if wrapped and " ".join(str(latest).split()) in " ".join(str(err).split()):
-                raise latest from None
-            if (own := raised_by_a_class(err)) is not None and not isinstance(own, UserError):
-                raise own from None  # the task's own error and frames, not the parser's wrapping
-            if isinstance(err, MisconfigurationException | ValueError) and not isinstance(err, UserError):
-                # Lightning checks some settings only when the run starts (val_check_interval against the batches)
-                config = self.config[self.subcommand] if getattr(self, "subcommand", None) else {}
-                user_error = trainer_setting_error(err, config.get("trainer", {}))
-                if user_error is not None:
-                    raise user_error from None
+            error = self._error_to_show(err)
+            if error is not None:
+                raise error from None
             raise
+
+    def _error_to_show(self, err: BaseException) -> BaseException | None:
+        """What a failed command shows instead of ``err``, or None for ``err`` itself."""
+        latest = UserError.latest
+        # a class (strategy, callback, model) refused a value while jsonargparse built it: jsonargparse reports the
+        # message inside a union error of its own; say only ours
+        wrapped = isinstance(err, ValueError) and latest is not None and latest is not err
+        if wrapped and " ".join(str(latest).split()) in " ".join(str(err).split()):
+            return latest
+        if (own := raised_by_a_class(err)) is not None and not isinstance(own, UserError):
+            return own  # the task's own error and frames, not the parser's wrapping
+        if isinstance(err, MisconfigurationException | ValueError) and not isinstance(err, UserError):
+            # Lightning checks some settings only when the run starts (val_check_interval against the batches)
+            config = self.config[self.subcommand] if getattr(self, "subcommand", None) else {}
+            return trainer_setting_error(err, config.get("trainer", {}))
+        return None
 
     @override
     def subcommands(self) -> dict[str, set[str]]:
@@ -380,24 +386,27 @@ def main(
             args=args,
         )
     except UserError as err:
-        if first_on_node():
-            print(f"error: {err}", file=sys.stderr, flush=True)
-        announce_failure(str(err))  # the other nodes' ranks stop too (app/launch/formation.py)
-        if not first_on_node() and (torchrun_job() is not None or launcher_ranks() is not None):
-            # torchrun and mpirun end every worker once one fails: the first of the node (which says why) could be
-            # ended before it printed its line, when this one, quiet, failed first (seen under load: no line at all).
-            # Waiting here for it to exit lets it fail first; the launcher then ends this one.
-            wait_for_first_on_node(QUIET_RANK_WAIT)
-        sys.exit(2)
+        fail(str(err))
     except OSError as err:
         if err.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
             raise
         where = f"{err.filename}: " if err.filename else ""
-        hint = "free space, or pass a writable --trainer.default_root_dir"
-        print(f"error: {where}{err.strerror}; {hint}", file=sys.stderr, flush=True)
-        announce_failure(f"{where}{err.strerror}")
-        sys.exit(2)
+        fail(f"{where}{err.strerror}", hint="; free space, or pass a writable --trainer.default_root_dir", own=True)
     except Exception as err:
         if (code := stopped_exit_code(err)) is not None:  # ddp_spawn's ranks stopped on a SIGTERM and saved
             sys.exit(code)
         raise
+
+
+def fail(why: str, hint: str = "", own: bool = False) -> NoReturn:
+    """Bad input: one ``error:`` line (from the node's first process; ``own``: from this one, a failure of its own such
+    as a full disk), the mark that stops the other nodes' ranks too (app/launch/formation.py), and exit 2."""
+    if own or first_on_node():
+        print(f"error: {why}{hint}", file=sys.stderr, flush=True)
+    announce_failure(why)
+    if not (own or first_on_node()) and (torchrun_job() is not None or launcher_ranks() is not None):
+        # torchrun and mpirun end every worker once one fails: the first of the node (which says why) could be ended
+        # before it printed its line, when this one, quiet, failed first (seen under load: no line at all). Waiting
+        # here for it to exit lets it fail first; the launcher then ends this one.
+        wait_for_first_on_node(QUIET_RANK_WAIT)
+    sys.exit(2)

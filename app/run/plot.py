@@ -187,28 +187,29 @@ def step_series(run_dir: Path, name: str) -> list[tuple[float, float]]:
 def tests_of(run_dir: Path) -> list[tuple[str, str, float]]:
     """``[(metric, label, value), ...]``: the scores of the ``cli.py test`` runs of this run's checkpoints, found as
     the run folders beside it whose ``config.yaml`` names a checkpoint in ``run_dir/checkpoints``."""
-    import yaml
-
     found = []
     for folder in sorted(run_dir.parent.iterdir()):
-        config_file, metrics_csv = folder / "config.yaml", folder / "metrics.csv"
-        if folder == run_dir or not config_file.is_file() or not metrics_csv.is_file():
+        ckpt = None if folder == run_dir else _tested_checkpoint(folder, run_dir)
+        if ckpt is None:
             continue
-        try:
-            config = yaml.safe_load(config_file.read_text()) or {}
-        except (yaml.YAMLError, UnicodeDecodeError):
-            continue
-        ckpt = config.get("ckpt_path") if isinstance(config, dict) else None
-        if not isinstance(ckpt, str) or Path(ckpt).parent.name != "checkpoints":
-            continue
-        owner = Path(ckpt).parent.parent
-        if owner.is_absolute() and owner.resolve() != run_dir.resolve() or owner.name != run_dir.name:
-            continue
-        for row in _read_rows(metrics_csv):
+        for row in _read_rows(folder / "metrics.csv"):
             for name, value in row.items():
                 if name.startswith("test/") and value:
-                    found.append((name, f"{name} {float(value):.4f} ({folder.name}: {Path(ckpt).name})", float(value)))
+                    found.append((name, f"{name} {float(value):.4f} ({folder.name}: {ckpt.name})", float(value)))
     return found
+
+
+def _tested_checkpoint(folder: Path, run_dir: Path) -> Path | None:
+    """The checkpoint of ``run_dir`` that the run in ``folder`` tested (its config.yaml's ckpt_path), or None."""
+    if not (folder / "config.yaml").is_file() or not (folder / "metrics.csv").is_file():
+        return None
+    ckpt = _yaml_of(folder / "config.yaml").get("ckpt_path")
+    if not isinstance(ckpt, str) or Path(ckpt).parent.name != "checkpoints":
+        return None
+    owner = Path(ckpt).parent.parent
+    if owner.is_absolute() and owner.resolve() != run_dir.resolve() or owner.name != run_dir.name:
+        return None
+    return Path(ckpt)
 
 
 def _yaml_of(path: Path) -> dict:
@@ -249,13 +250,7 @@ def _refuse_a_test_run(run_dir: Path) -> None:
     names = {name for row in rows for name, value in row.items() if value and name not in ("epoch", "step")}
     if not names or not all(name.startswith("test/") for name in names):
         return
-    import yaml
-
-    try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
-        config = {}
-    ckpt = config.get("ckpt_path") if isinstance(config, dict) else None
+    ckpt = _yaml_of(run_dir / "config.yaml").get("ckpt_path")
     if isinstance(ckpt, str) and Path(ckpt).parent.name == "checkpoints":
         owner = Path(ckpt).parent.parent
         raise UserError(

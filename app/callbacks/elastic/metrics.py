@@ -75,26 +75,11 @@ class MetricsContinuation:
             if not isinstance(logger, CSVLogger):
                 continue
             kept = Path(logger.log_dir) / METRICS_BEFORE_RESTART
-            keep = Path(logger.log_dir) / METRICS_ROWS_TO_KEEP
-            rows = []
-            if kept.is_file():
-                with kept.open(newline="") as f:
-                    rows = list(csv.DictReader(f))
-            if keep.is_file():  # the run failed in a validation that this one does again: not its rows
-                rows = rows[: int(keep.read_text())]
-                keep.unlink()
-            count = 0
+            rows = _rows_before_restart(kept, Path(logger.log_dir) / METRICS_ROWS_TO_KEEP)
             missing = (restored or {}).get("step_row")  # rank 0 died before logging the last step's row
             if missing and any(int(r["step"]) == missing["step"] and r.get(k) for r in rows for k in missing["values"]):
                 missing = None  # it was logged
-            for row in rows:
-                step = int(row.pop("step"))
-                if step >= trainer.global_step:
-                    continue  # the step in flight when the run failed (its rows name it): this run logs it again
-                values = {k: int(float(v)) if k == "epoch" else float(v) for k, v in row.items() if v not in ("", None)}
-                if values:
-                    logger.log_metrics(values, step=step)
-                    count += 1
+            count = _log_again(logger, rows, trainer.global_step)
             if missing and missing["step"] < trainer.global_step:
                 logger.log_metrics({**missing["values"], "epoch": missing["epoch"]}, step=missing["step"])
                 count += 1
@@ -103,3 +88,29 @@ class MetricsContinuation:
                 kept.unlink()
             put_back = max(put_back, count)
         return put_back
+
+
+def _rows_before_restart(kept: Path, keep: Path) -> list[dict]:
+    """The rows of metrics.csv that the run before the restart wrote (``kept``), up to the number ``keep`` names
+    when the run failed in a validation that this one does again (not its rows)."""
+    rows = []
+    if kept.is_file():
+        with kept.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    if keep.is_file():
+        rows = rows[: int(keep.read_text())]
+        keep.unlink()
+    return rows
+
+
+def _log_again(logger: CSVLogger, rows: list[dict], before_step: int) -> int:
+    """The earlier run's rows of the steps before ``before_step`` logged again; how many. The step in flight when
+    the run failed (its rows name it) is left out: this run logs it again."""
+    count = 0
+    for row in rows:
+        step = int(row.pop("step"))
+        values = {k: int(float(v)) if k == "epoch" else float(v) for k, v in row.items() if v not in ("", None)}
+        if step < before_step and values:
+            logger.log_metrics(values, step=step)
+            count += 1
+    return count
