@@ -65,3 +65,28 @@ def test_a_writer_killed_at_any_moment_leaves_a_whole_file(tmp_path):
         assert len(text) == 1_000_000 and len(set(text)) == 1
     # a kill between the write and the rename may leave a hidden temporary beside it, never a torn file
     assert {p.name for p in tmp_path.iterdir() if not p.name.startswith(".state.txt.")} == {"state.txt"}
+
+
+def test_under_the_suite_a_checkpoint_written_from_another_thread_fails_its_save(tmp_path):
+    """tests/conftest.py sets TEMPLATE_SAVE_ON_TRAINING_THREAD for every process of the suite: a save from any thread
+    but the main one (the rank watchdog's, before issue 71) raises, and writes nothing."""
+    import threading
+
+    from app.checkpoints.io import TRAINING_THREAD_CHECK, SafeCheckpointIO
+
+    assert os.environ.get(TRAINING_THREAD_CHECK) == "1"
+    io, failed = SafeCheckpointIO(), []
+
+    def save() -> None:
+        try:
+            io.save_checkpoint({"state_dict": {}}, tmp_path / "from_thread.ckpt")
+        except RuntimeError as err:
+            failed.append(str(err))
+
+    thread = threading.Thread(target=save, name="rank-watchdog-0")
+    thread.start()
+    thread.join()
+    assert failed and "written from thread 'rank-watchdog-0', not the one that runs training" in failed[0]
+    assert not (tmp_path / "from_thread.ckpt").exists()
+    io.save_checkpoint({"state_dict": {}}, tmp_path / "from_main.ckpt")  # the training thread's save
+    assert (tmp_path / "from_main.ckpt").is_file()

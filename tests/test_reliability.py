@@ -1191,33 +1191,43 @@ def test_a_lost_rank_verdict_waits_until_the_survivor_saved_its_state(monkeypatc
     assert len(lines) == 1  # the callback's line says what comes next
 
 
-def test_a_verdict_that_no_failing_collective_follows_saves_from_its_own_thread(monkeypatch):
-    """A cut link: no collective fails, the training thread waits in one for good. After ``2 * interval`` s the
-    verdict has the state written from its own thread (the Elastic callback's ``save_now``), then ends the process;
-    a save_now that could not save leaves it to the collective, up to the timeout."""
+def test_a_verdict_shuts_the_lost_ranks_connections_down_and_waits_for_the_training_threads_save(monkeypatch):
+    """A cut link: no collective fails by itself, the training thread waits in one for good. The verdict shuts this
+    process's connections to the lost rank down (tests/test_connections.py: the collective then fails at once), and
+    ends the process as soon as the training thread's save is over; it writes nothing itself."""
     import threading
 
     from app.callbacks import RankWatchdog
     from app.callbacks import rank_watchdog as module
+    from app.callbacks.heartbeat import Heartbeat
 
-    ended, lines = threading.Event(), []
+    ended, lines, closed = threading.Event(), [], []
     monkeypatch.setattr(RankWatchdog, "_end", lambda self: (ended.set(), _raise(Ended())))  # os._exit, in a test
     monkeypatch.setattr(module, "_say", lines.append)
-    for wrote in (True, False):
-        ended.clear()
-        calls = []
-        watchdog = RankWatchdog(timeout=2, interval=0.25)
-        watchdog.expect_save(save_now=lambda wait, calls=calls, wrote=wrote: calls.append(wait) or wrote)
-        started = time.monotonic()
-        with pytest.raises(Ended):
-            watchdog._stop_process([1], "rank 1 has not answered for 2 s")
-        took = time.monotonic() - started
-        assert calls == [2.0] and ended.is_set()
-        assert (0.5 <= took < 1.5) if wrote else took >= 2.5, took  # at once after the grace, or after the timeout
-        said = "error: [rank ?] lost rank 1: rank 1 has not answered for 2 s. Saving this rank's state first"
-        assert lines[0] == said, lines
-        assert len(lines) == (1 if wrote else 2), lines  # the save's own line (Elastic's) says what comes next
-        lines.clear()
+    monkeypatch.setattr(Heartbeat, "close_connections", lambda self, ranks: closed.append(list(ranks)) or 2)
+    watchdog = RankWatchdog(timeout=5, interval=0.25)
+    watchdog._heartbeat = Heartbeat(None, rank=0, world_size=2, timeout=5, interval=0.25, prefix="test")
+    watchdog._heartbeat.on_lost = watchdog._stop_process
+    watchdog.expect_save()
+
+    def verdict() -> None:
+        with contextlib.suppress(Ended):
+            watchdog._heartbeat._judge([1], "rank 1 has not answered for 5 s")
+
+    judge = threading.Thread(target=verdict)
+    started = time.monotonic()
+    judge.start()
+    assert watchdog._heartbeat.verdict.wait(5)
+    deadline = time.monotonic() + 5
+    while not closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closed == [[1]] and watchdog.closed and time.monotonic() - started < 1  # at once, not after a grace
+    assert not ended.wait(0.5)  # the process lives on for the training thread's save
+    assert lines == ["error: [rank 0] lost rank 1: rank 1 has not answered for 5 s. Saving this rank's state first"]
+    watchdog.save_over(reported=True)  # the training thread's collective failed, Elastic wrote last.ckpt and said so
+    assert ended.wait(5)
+    judge.join(5)
+    assert len(lines) == 1  # the save's own line says what comes next
 
 
 def test_a_survivor_that_never_reaches_a_failing_collective_stops_after_the_timeout_and_says_why(monkeypatch):

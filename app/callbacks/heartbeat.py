@@ -19,6 +19,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 
+from app.launch.connections import close_connections_to, local_addresses
 from app.launch.library_noise import store_warnings_off
 from app.launch.signals import pid_namespace, process_alive
 
@@ -65,6 +66,9 @@ class Heartbeat(threading.Thread):
         self._halt = threading.Event()  # not "_stop": that is a threading.Thread method
         self.on_lost = None  # called from this thread with (ranks, reason); default: exit the process
         self._call: threading.Thread | None = None  # the store call under way (a helper thread: it may hang)
+        self.pids: dict[int, int] = {}  # peer rank -> its pid where it runs on this host (0: another host)
+        self.addresses: dict[int, set[str]] = {}  # peer rank -> the addresses its connections have at its end
+        self.met = threading.Event()  # every peer's pid and addresses are known (read while the network is whole)
 
     def _key(self, kind: str, rank: int) -> str:
         return f"{self.prefix}/{kind}/{rank}"
@@ -80,12 +84,13 @@ class Heartbeat(threading.Thread):
         peers = [r for r in range(self.world_size) if r != self.rank]
         try:
             self.store.set(self._key("pid", self.rank), f"{host}:{pid_namespace()}:{os.getpid()}")
+            self.store.set(self._key("addresses", self.rank), " ".join(local_addresses()))
         except Exception as err:  # noqa: BLE001 (no store: nothing to watch)
             rank_zero_debug(f"RankWatchdog: store unusable ({err}); not watching")
             return
-        pids: dict[int, int] = {}
+        pids = self.pids
         seen = {r: (None, time.monotonic()) for r in peers}
-        while not self._halt.wait(self.interval):
+        while not self._halt.wait(self.interval if self.met.is_set() else self.interval / 20):
             # A store whose host process is stopped (SIGSTOP, a hung machine) accepts the connection but never
             # answers, and torch's store calls can then block far beyond their timeout: make the calls from a
             # helper thread and give up on them after ``timeout``.
@@ -148,8 +153,25 @@ class Heartbeat(threading.Thread):
                         peer_host, space, pid = self.store.get(self._key("pid", r)).decode().rsplit(":", 2)
                         # a pid of this host's and this pid namespace (not another container's) can be checked here
                         pids[r] = int(pid) if (peer_host, space) == (host, pid_namespace()) else 0
+                    if r not in self.addresses and self.store.check([self._key("addresses", r)]):
+                        self.addresses[r] = set(self.store.get(self._key("addresses", r)).decode().split())
+                if all(r in pids and r in self.addresses for r in peers):
+                    self.met.set()
         except Exception as err:  # noqa: BLE001 (the store's host is gone, or the network)
             outcome["error"] = err
+
+    def close_connections(self, ranks: list[int]) -> int:
+        """Shut down this process's connections to the lost ``ranks`` (:mod:`app.launch.connections`): a collective
+        waiting on one of them fails at once, on the training thread, as when a peer's process dies. A peer on this
+        host is found by its pid, one on another host by its addresses; returns how many were shut down."""
+        ours = set(local_addresses())
+        closed = 0
+        for rank in ranks:
+            if self.pids.get(rank):
+                closed += close_connections_to(pid=self.pids[rank])
+            else:
+                closed += close_connections_to(self.addresses.get(rank, set()) - ours)
+        return closed
 
     def _finished(self, rank: int) -> bool:
         try:

@@ -16,10 +16,10 @@ line naming the rank, kills this rank's own child ranks (rank 0 of a ``ddp`` lau
 watches them in place of Lightning's observer, which would SIGKILL every process, itself included, without a word)
 and exits with code 1; it cannot raise into a main thread that is blocked inside a
 collective. Under a restarting launcher the :class:`~app.callbacks.Elastic` callback first saves this survivor's
-state. A peer that died closed its connections, so this rank's next collective fails and the training thread saves;
-the verdict gives it ``2 * interval`` seconds to begin. A cut link or a hung host closes nothing, and gloo then waits
-for good: the verdict has the state written from its own thread (the training thread held at its next optimizer
-step, so the state stays that of the last step) and ends the process, a few seconds after the verdict.
+state, on the training thread. A peer that died closed its connections, so this rank's collective fails and the
+training thread saves. A cut link or a hung host closes nothing, and gloo would wait for good: the verdict shuts this
+process's connections to the lost rank down (:mod:`app.launch.connections`), so that the collective fails the same
+way, at once, and waits for the save. No checkpoint is written from this thread.
 Under ``fsdp`` and ``pipeline`` no survivor holds the whole state: the verdict then promises no save, and the Elastic
 callback says that none is written. A stop signal that came first (torchrun's agent sends the other workers SIGTERM
 when one dies) announced a checkpoint if every rank finished the step; the verdict says it is not written.
@@ -101,7 +101,7 @@ class RankWatchdog(Callback):
         self._children: list = []
         self._checkpointer = None
         self._save: threading.Event | None = None  # set when the survivor's save (expect_save) is over
-        self._save_now = None  # writes the survivor's state from the verdict's thread (expect_save)
+        self.closed = False  # the verdict shut the lost ranks' connections down (the failed collective says nothing)
         self.cut_off: TorchrunAgent | None = None  # this node lost the network: its agent, stopped with the process
         self.verdict: str | None = None  # a cut-off node's verdict, said by the save's line (one line in all)
         self.mpi_daemon: tuple[int, str] | None = None  # a rank on another host fell silent: mpirun, stopped with it
@@ -114,7 +114,7 @@ class RankWatchdog(Callback):
         # The horovod self-launch pickles the trainer into its ranks: the launching process's cleanups stay there.
         return {
             **self.__dict__,
-            **{"_plan": None, "_save_now": None, "cut_off": None, "mpi_daemon": None, "_ending": None},
+            **{"_plan": None, "cut_off": None, "mpi_daemon": None, "_ending": None},
         }
 
     def __setstate__(self, state: dict) -> None:
@@ -170,17 +170,22 @@ class RankWatchdog(Callback):
         return lost
 
     def _await_save(self, save: threading.Event, lost: str, me) -> str:
-        """The save after a verdict, at most ``timeout`` seconds: ends the process once it is written and reported;
-        else returns the line to stop with.
+        """The survivor's save after a verdict, at most ``timeout`` seconds: ends the process once it is written and
+        reported; else returns the line to stop with.
 
-        A peer that died closed its connections: the collective the training thread is in, or its next one, fails,
-        and the Elastic callback writes the state of the last step (or, under fsdp and pipeline, says why it cannot:
-        the lost rank's part of the state is gone) and says what next. A cut link or a hung host closes nothing: gloo
-        waits for good, and the state is written from this thread instead."""
+        The training thread saves when its collective fails: the Elastic callback writes the state of the last step
+        (or, under fsdp and pipeline, says why it cannot: the lost rank's part of the state is gone) and says what
+        next. A peer that died closed its connections; those of a cut link or a hung host are shut down here, so that
+        a collective waiting on them fails at once (gloo waits for good on them). A cut-off node's verdict and save
+        are one line, the save's."""
+        one_line = self.cut_off is not None and not self._sharded()
         if self._sharded():
             _say(f"{lost} Stopping this rank when its next collective fails, within {self.timeout:g} s")
-        else:
-            self._save_unless_a_collective_fails(save, lost, me)
+        elif not one_line:
+            _say(f"{lost} Saving this rank's state first")
+        self.verdict, self.closed = (lost if one_line else None), True
+        if self._heartbeat is not None:
+            self._heartbeat.close_connections(self._heartbeat.lost_ranks)
         if not save.wait(self.timeout):
             return (
                 f"error: [rank {me}] {'' if self._sharded() else 'could not save its state: '}no collective "
@@ -189,29 +194,7 @@ class RankWatchdog(Callback):
             )
         if self._save_reported:
             self._end()  # the state is written (or it said why not), and what comes next
-        return f"error: [rank {me}]"
-
-    def _save_unless_a_collective_fails(self, save: threading.Event, lost: str, me) -> None:
-        """The state written from this thread when no collective failed within two intervals of the verdict. Cut
-        off, no collective can fail: the save from this thread says the verdict in its own line."""
-        one_line = self.cut_off is not None and self._save_now is not None
-        if not one_line:
-            _say(f"{lost} Saving this rank's state first")
-        if save.wait(2 * self.interval) or self._save_now is None:
-            if one_line:  # the training thread's collective failed after all, and it saved: its line follows
-                _say(f"{lost} Saving this rank's state first")
-            return
-        self.verdict = lost if one_line else None
-        try:
-            if self._save_now(self.timeout):
-                self.save_over(reported=True)
-            elif one_line:  # the training thread saves (or is stuck in a step): the verdict first
-                _say(f"{lost} Saving this rank's state first")
-        except Exception as err:  # noqa: BLE001 - say it, and end as without a save
-            _say(f"error: [rank {me}] could not save its state: {type(err).__name__}: {err}")
-            self.save_over(reported=False)
-        finally:
-            self.verdict = None
+        return lost if one_line else f"error: [rank {me}]"
 
     def _lost_the_network(self) -> TorchrunAgent | None:
         """Under torchrun, when a peer or rank 0's store fell silent: this worker's agent, if the rendezvous host it
@@ -261,14 +244,12 @@ class RankWatchdog(Callback):
                 os.kill(self.mpi_daemon[0], signal.SIGKILL)
         os._exit(EXIT_CODE)  # the main thread may be stuck in a collective: it cannot be unwound
 
-    def expect_save(self, save_now=None) -> None:
+    def expect_save(self) -> None:
         """Called before training by a callback that writes this rank's state when a peer is lost (the
         :class:`~app.callbacks.Elastic` callback under a restarting launcher): a verdict then lets this process live
-        until :meth:`save_over`, or ``timeout`` seconds. ``save_now(wait)``, where given, writes the state from the
-        verdict's thread when no collective failed soon after it; True when it wrote it (or said why not)."""
+        until :meth:`save_over`, or ``timeout`` seconds."""
         self._save = threading.Event()
         self._save_reported = False
-        self._save_now = save_now
 
     def save_over(self, reported: bool) -> None:
         """The save that :meth:`expect_save` announced is done, or will not happen; ``reported``: the callback
@@ -276,6 +257,12 @@ class RankWatchdog(Callback):
         self._save_reported = reported
         if self._save is not None:
             self._save.set()
+
+    @override
+    def on_train_start(self, trainer, pl_module) -> None:
+        # Where each peer's connections end is read while the network is whole: a verdict may have to shut them down
+        if self._heartbeat is not None:
+            self._heartbeat.met.wait(self.timeout)
 
     @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
@@ -289,6 +276,8 @@ class RankWatchdog(Callback):
             # loggers' finalize (Lightning's next step here) wrote metrics.csv back into the removed folder (seen
             # under load). Bounded, should that thread fail to end the process.
             self._ending.wait(self.timeout + 3 * self.interval + 5)
+        if self._heartbeat is not None and self._heartbeat.verdict.is_set():
+            return  # the verdict's thread ends the process, after the save announced by expect_save, if any
         planned = isinstance(exception, SystemExit | KeyboardInterrupt)  # all ranks stop together (a preemption)
         self._finish(failed=not planned)  # the save announced by expect_save, if any, comes after (in turn)
 

@@ -3,7 +3,7 @@
 Three callbacks act then, and each needs to know what the others do:
 
 - the rank watchdog (:class:`~app.callbacks.RankWatchdog`, role ``watchdog``) names a lost rank and ends the process.
-  Under a restarting launcher it first waits for the survivor's save, or has the state written from its own thread;
+  Under a restarting launcher it first shuts the lost rank's connections down and waits for the survivor's save;
 - the survivor's save (:class:`~app.callbacks.Elastic`, role ``survivor_save``) writes the state of the last step when
   a rank is lost, and tells the watchdog when that is over (``expect_save``, ``save_over``). It also keeps the run's
   shape, which the torchrun run folder (:class:`~app.callbacks.elastic.ElasticRunFolder`) hands over as
@@ -36,8 +36,9 @@ class Watchdog(Protocol):
 
     verdict: str | None  # a cut-off node's verdict, said by the survivor's save in its own line
     cut_off: Any  # not None when this node lost the network (its torchrun agent)
+    closed: bool  # the verdict shut the lost rank's connections down: the collective's failure is its doing
 
-    def expect_save(self, save_now: Callable[[float], bool] | None = None) -> None: ...
+    def expect_save(self) -> None: ...
 
     def save_over(self, reported: bool) -> None: ...
 

@@ -28,6 +28,7 @@ import pickle
 import re
 import tempfile
 import textwrap
+import threading
 import zipfile
 import zlib
 from collections.abc import Callable
@@ -210,6 +211,13 @@ def check_archive(path: Path) -> None:
 _STORAGE = re.compile(r"data/\d+")  # a tensor's bytes, in torch.save's archive
 
 
+# Set by the test suite (tests/conftest.py): a checkpoint written from any thread but the main one, which runs
+# training in every process of a run, fails its save. Lightning does not promise that trainer.save_checkpoint is safe
+# from another thread, and the template writes none from one (the rank watchdog's verdict makes the training thread's
+# collective fail instead: app/launch/connections.py).
+TRAINING_THREAD_CHECK = "TEMPLATE_SAVE_ON_TRAINING_THREAD"
+
+
 class SafeCheckpointIO(TorchCheckpointIO):
     """Atomic saves and ``weights_only`` loads for Lightning's strategies."""
 
@@ -228,6 +236,11 @@ class SafeCheckpointIO(TorchCheckpointIO):
         """``announce``, ``unless``: as :func:`atomic_torch_save`'s (a survivor's save after a failure)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        if os.environ.get(TRAINING_THREAD_CHECK) and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(
+                f"{path}: written from thread {threading.current_thread().name!r}, not the one that runs training "
+                f"({TRAINING_THREAD_CHECK} is set: the test suite checks that no other thread writes a checkpoint)"
+            )
         checkpoint.setdefault(FORMAT_KEY, CHECKPOINT_FORMAT)
         return atomic_torch_save(checkpoint, path, announce=announce, unless=unless)
 

@@ -94,10 +94,6 @@ class Elastic(Callback):
         self.metrics.train_start(trainer, self._restored, self.restartable)
 
     @override
-    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        self.failure.before_optimizer_step()
-
-    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         self.failure.train_batch_end(trainer, self.restartable)
 
@@ -109,6 +105,3 @@ class Elastic(Callback):
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         if self.restartable:
             self.failure.exception(trainer, exception)
-
-    def save_from_watchdog(self, trainer, wait: float) -> bool:
-        return self.failure.save_from_watchdog(trainer, wait)

@@ -6,10 +6,10 @@ that moment, with the loop and loader position of the last completed optimizer s
 integers), and exits non-zero; the launcher restarts the job, which resumes from it. Only the step in flight is done
 again. Nothing is written per step.
 
-Where no collective fails (a cut link or a hung host closes no connection, and gloo then waits for good), the rank
-watchdog's verdict has the state written from its own thread (:meth:`SaveOnFailure.save_from_watchdog`), with the
-training thread held at its next optimizer step. A failure in a validation (or right before one) saves the state at
-that validation's start, with the checkpoint callbacks' state from before it: the restart validates the epoch again.
+Where no collective would fail (a cut link or a hung host closes no connection, and gloo then waits for good), the
+rank watchdog's verdict shuts this rank's connections to the lost one down, and the collective fails at once: the
+save is always on the training thread. A failure in a validation (or right before one) saves the state at that
+validation's start, with the checkpoint callbacks' state from before it: the restart validates the epoch again.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import contextlib
 import copy
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
@@ -61,22 +60,12 @@ class SaveOnFailure:
         self.checkpointers_before_validation: dict | None = None
         self.validation_started = 0.0  # time.time() at the start of the validation since the last step
         self.saved_after_failure: str | None = None  # the last.ckpt this rank wrote when its collective failed
-        # Held from each optimizer step until its position is recorded, and by a save from the watchdog thread,
-        # which then holds the training thread at its next step (save_from_watchdog). Made by arm().
-        self._step_lock: threading.Lock | None = None
-        self._in_step = False
-        self._saving: threading.Lock | None = None  # one save after a failure, from whichever thread comes first
-
-    def __getstate__(self) -> dict:
-        # the horovod self-launch pickles the trainer into its ranks; locks do not pickle (and are made per start)
-        return {**self.__dict__, "_step_lock": None, "_in_step": False, "_saving": None}
 
     def arm(self, trainer) -> None:
-        """A lost peer's verdict waits until this rank saved (on_exception), or has it save from its own thread."""
-        self._step_lock, self._in_step, self._saving = threading.Lock(), False, threading.Lock()
+        """A lost peer's verdict waits until this rank saved (on_exception)."""
         watchdog = stop_plan(trainer).watchdog
         if watchdog is not None:
-            watchdog.expect_save(save_now=lambda wait: self.save_from_watchdog(trainer, wait))
+            watchdog.expect_save()
 
     def validation_start(self, trainer) -> None:
         # What the checkpoint callbacks knew before this validation: a failure in it (in its epoch checkpoint's
@@ -86,25 +75,9 @@ class SaveOnFailure:
         }
         self.validation_started = time.time()
 
-    def before_optimizer_step(self) -> None:
-        # After the backward (and its gradient all-reduce), before the weights change: from here until the step's
-        # position is recorded (train_batch_end) a save from the watchdog thread waits; once one has begun, this
-        # blocks until the watchdog ends the process.
-        if self._step_lock is not None and not self._in_step:
-            self._step_lock.acquire()
-            self._in_step = True
-
-    def step_recorded(self) -> None:
-        if self._in_step:
-            self._in_step = False
-            self._step_lock.release()
-
     def train_batch_end(self, trainer, restartable: bool) -> None:
-        try:
-            if restartable:
-                self._record_step(trainer)
-        finally:
-            self.step_recorded()
+        if restartable:
+            self._record_step(trainer)
 
     def _record_step(self, trainer) -> None:
         if self.last_step is None or self.last_step[0] != trainer.global_step:
@@ -137,29 +110,12 @@ class SaveOnFailure:
     def exception(self, trainer, exception: BaseException) -> None:
         if isinstance(exception, UserError | KeyboardInterrupt | SystemExit):
             return  # SystemExit: a preemption, which saved its own checkpoint, or a deliberate stop
-        self.step_recorded()  # a step that raised: the watchdog thread must not wait for it
-        watchdog = stop_plan(trainer).watchdog
         reported = False
-        # A save that the watchdog thread began first (it took the lock) ends the process before this goes on.
-        with self._saving if self._saving is not None else contextlib.nullcontext():
-            try:
-                reported = self._save_after_failure(trainer, exception)
-            finally:  # the rank watchdog kept this process alive for the save: it may end it now
-                if watchdog is not None:
-                    watchdog.save_over(reported)
-
-    def save_from_watchdog(self, trainer, wait: float) -> bool:
-        """Write the state of the last step from the rank watchdog's thread: a peer is lost and no collective failed
-        (a cut link or a hung host: gloo waits for good, and the training thread with it). The training thread is held
-        at its next optimizer step meanwhile, so the weights and the optimizer's state stay those of the recorded
-        step. False when the training thread is saving already, or has been inside an optimizer step for ``wait``
-        seconds (hung there: its weights may be half updated), and nothing is written here."""
-        if self._saving is None or not self._saving.acquire(blocking=False):
-            return False
-        if not self._step_lock.acquire(timeout=wait):
-            self._saving.release()
-            return False
-        return self._save_after_failure(trainer, None)  # the process ends after it, with both locks held
+        try:
+            reported = self._save_after_failure(trainer, exception)
+        finally:  # the rank watchdog kept this process alive for the save: it may end it now
+            if (watchdog := stop_plan(trainer).watchdog) is not None:
+                watchdog.save_over(reported)
 
     def _drop_untracked_checkpoints(self, trainer) -> None:
         """Checkpoints written since the validation that the restart does again (its epoch checkpoint, written on
@@ -177,9 +133,9 @@ class SaveOnFailure:
                     if path.stat().st_mtime >= self.validation_started:
                         path.unlink()
 
-    def _save_after_failure(self, trainer, exception: BaseException | None) -> bool:
+    def _save_after_failure(self, trainer, exception: BaseException) -> bool:
         """Write ``last.ckpt`` with the state after the last completed step; True when a line said what happened.
-        ``exception``: the failed collective's, or None from the watchdog thread (whose line said what failed)."""
+        ``exception``: the failed collective's."""
         if trainer.state.fn != "fit" or self.last_step is None or trainer.checkpoint_callback is None:
             return False
         step, loops = self.last_step
@@ -216,13 +172,13 @@ class SaveOnFailure:
         return True
 
 
-def say_nothing_saved(trainer, step: int, exception: BaseException | None) -> None:
+def say_nothing_saved(trainer, step: int, exception: BaseException) -> None:
     """fsdp, pipeline: no rank holds the whole state, and the lost one's part is gone with it; the restart goes on
     from the last checkpoint on disk, as a resume would."""
     written = trainer.checkpoint_callback.last_model_path
     since = f"the last checkpoint written ({written})" if written and Path(written).is_file() else "the start"
     part = "a stage's layers" if parallelism(trainer.strategy).stages > 1 else "a shard"
-    failure = f"{type(exception).__name__} after step {step}" if exception else f"After step {step}"
+    failure = f"{type(exception).__name__} after step {step}"
     say(
         trainer,
         f"[rank {trainer.global_rank}] {failure}: under {trainer.strategy.strategy_name} each rank holds {part} of the "
@@ -257,15 +213,15 @@ def save_alone(trainer, path: str, step: int) -> int | None:
     return newer
 
 
-def saved_line_start(trainer, exception: BaseException | None) -> str:
-    """What the survivor's line says first: the failed collective's error, or from the watchdog thread, whose own
-    line said what failed, nothing more (a cut-off node: its verdict, so that verdict and save are one line)."""
-    said = f"[rank {trainer.global_rank}] "
-    if exception is not None:  # shortened at a word, not "the remote w."
-        return said + f"{type(exception).__name__}: {textwrap.shorten(str(exception), 200, placeholder=' ...')}. "
+def saved_line_start(trainer, exception: BaseException) -> str:
+    """What the survivor's line says first: the failed collective's error; nothing more where the watchdog shut the
+    connections down, whose own line said what failed (a cut-off node: its verdict, so that verdict and save are one
+    line)."""
     watchdog = stop_plan(trainer).watchdog
-    verdict = None if watchdog is None else watchdog.verdict
-    return f"{verdict} " if verdict else said
+    if watchdog is not None and watchdog.closed:
+        return f"{watchdog.verdict} " if watchdog.verdict else f"[rank {trainer.global_rank}] "
+    why = textwrap.shorten(str(exception), 200, placeholder=" ...")  # at a word, not "the remote w."
+    return f"[rank {trainer.global_rank}] {type(exception).__name__}: {why}. "
 
 
 def what_then(trainer, verdict_said: bool) -> str:
