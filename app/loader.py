@@ -298,6 +298,18 @@ class StreamLoader(DataLoader):
 TEMPLATE_LOADERS = (ResumableLoader, StreamLoader)  # the training loaders make_loader gives
 
 
+def _strategy_of(trainer: Any):
+    """The trainer's strategy (None without a trainer); a data module passed for the trainer is one line saying so."""
+    if trainer is None:
+        return None
+    if not hasattr(trainer, "strategy"):  # make_loader(self, ...) in a data module
+        raise TypeError(
+            "make_loader: its first argument is the trainer (self.trainer in a data module's *_dataloader), or None; "
+            f"got a {type(trainer).__name__}"
+        )
+    return trainer.strategy
+
+
 def make_loader(
     trainer: Any,
     dataset: Dataset,
@@ -332,7 +344,7 @@ def make_loader(
     device (``strategy.root_device``) and give a whole batch for a tensor of indices (``dataset[index]``), as
     ``TensorDataset`` does; the batches are the host loader's, cut on the device (``collate_fn`` is not used).
     """
-    strategy = trainer.strategy if trainer is not None else None
+    strategy = _strategy_of(trainer)
     batch_size = batch_size * devices_per_batch(strategy)
     shard = getattr(strategy, "distributed_sampler_kwargs", None) or {}
     on_cuda = strategy is not None and strategy.root_device.type == "cuda"

@@ -232,3 +232,9 @@ def test_a_streamed_epoch_stopped_on_two_ranks_and_resumed_on_one_trains_each_it
     expected = [i for r in read_records(tmp_path / "unbroken-samples") for i in r["ids"]]
     assert len(expected) == 8 * 16 * 2
     assert sorted(trained) == sorted(expected)  # each once, none of another part of the stream
+
+
+def test_make_loader_given_a_data_module_for_the_trainer_says_so():
+    """make_loader(self, ...) in a data module (self.trainer meant): one line, not an AttributeError from inside."""
+    with pytest.raises(TypeError, match=r"first argument is the trainer \(self.trainer in .*got a SizedNumbers"):
+        make_loader(SizedNumbers(8), SizedNumbers(8), train=True, batch_size=2)
