@@ -31,8 +31,9 @@ RANK = textwrap.dedent(
     rank, how, folder = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
     dist.barrier()
-    with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(folder, f"rank{rank}.part"), "w") as f:
         json.dump({"pid": os.getpid(), "addresses": local_addresses()}, f)
+    os.replace(os.path.join(folder, f"rank{rank}.part"), os.path.join(folder, f"rank{rank}.json"))  # whole or absent
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # silent from here on, its connections open
         sys.exit(0)

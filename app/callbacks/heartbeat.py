@@ -90,7 +90,8 @@ class Heartbeat(threading.Thread):
             return
         pids = self.pids
         seen = {r: (None, time.monotonic()) for r in peers}
-        while not self._halt.wait(self.interval if self.met.is_set() else self.interval / 20):
+        meeting_until = time.monotonic() + self.timeout  # peers read 20 times an interval until met (or for timeout)
+        while not self._halt.wait(self.interval / (1 if self.met.is_set() or time.monotonic() > meeting_until else 20)):
             # A store whose host process is stopped (SIGSTOP, a hung machine) accepts the connection but never
             # answers, and torch's store calls can then block far beyond their timeout: make the calls from a
             # helper thread and give up on them after ``timeout``.
