@@ -1,22 +1,19 @@
-"""Gradient reduction cost: the horovod strategy's fused allreduce against DDP's buckets, same ranks, same steps.
+"""Gradient reduction cost: the horovod strategy's reduction (DDP's reducer with Horovod's hook) against DDP's own.
 
     python -m bench.reductions                       # CPU: 2 processes on gloo, ResNet-18 and a many-tensor MLP
-    python -m bench.reductions --ranks 2 --steps 20 --repeats 5 --fusion-mb 64 25 4 --one-size 64 25
+    python -m bench.reductions --ranks 2 --steps 20 --repeats 5 --fusion-mb 64 25 0 --compression fp16
 
-Both mechanisms run in the same 2 processes, one after the other in rotating order per repeat, on one model
-copy each with the same start weights and batches:
+Every variant runs in the same 2 processes, one after the other in rotating order per repeat, on one model copy
+each with the same start weights and batches:
 
-- ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (25 MiB buckets, its default, overlapping backward);
-- ``horovod fused (N MiB)``: :class:`app.strategies.reductions.GradientAllreduce` as the horovod strategy uses
-  it, with fusion buckets of ``--fusion-mb`` (``--trainer.strategy.fusion_mb``), the first of at most 1 MiB (as
-  the strategy's, and DDP's), started during backward;
-- ``horovod fused (N MiB, one size)``: the same for each size of ``--one-size``, with a first bucket as large as
-  the others (the strategy before its first bucket was small);
-- ``horovod per tensor``: the same with ``fusion_mb=0`` (one allreduce per gradient, no fusion).
+- ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` as Lightning's ddp builds it (25 MiB buckets, its
+  default, the first small, overlapping backward; its built-in allreduce);
+- ``horovod (N MiB)``: :func:`app.strategies.reductions.fused_allreduce` as the horovod strategy uses it, with
+  ``--trainer.strategy.fusion_mb=N`` (0: one allreduce per gradient, no fusion);
+- ``horovod fp16 (25 MiB)``: the same with ``--trainer.strategy.compression=fp16`` (for each ``--compression``).
 
-Reports the median step time (forward, backward, reduction, SGD step) of each, its ratio to ddp, and the time the
-fused variants wait for their allreduces once backward is over (what the buckets did not overlap), and writes
-``bench/results/reductions-cpu.json`` and ``.md``.
+Reports the median step time (forward, backward with its reduction, SGD step) of each and its ratio to ddp, and
+writes ``bench/results/reductions-cpu.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from app.fashion_mnist.networks import build_resnet
-from app.strategies.reductions import FIRST_BUCKET_MB, GradientAllreduce
+from app.strategies.reductions import FUSION_MB, fused_allreduce
 from bench.report import record
 
 
@@ -45,27 +42,18 @@ def many_tensors() -> nn.Module:
 MODELS = {"resnet18": lambda: build_resnet("resnet18"), "many_tensors (MLP, 400 tensors)": many_tensors}
 
 
-def _step(model: nn.Module, optimizer, x, y, sync: GradientAllreduce | None) -> float:
-    """One training step; returns the seconds spent waiting for the reduction after backward (0 for DDP, which
-    waits inside backward)."""
+def _step(model: nn.Module, optimizer, x, y) -> None:
     optimizer.zero_grad(set_to_none=True)
     nn.functional.cross_entropy(model(x), y).backward()
-    waited = 0.0
-    if sync is not None:
-        start = time.perf_counter()
-        sync.synchronize()
-        waited = time.perf_counter() - start
     optimizer.step()
-    return waited
 
 
-def variants(fusion_mbs: list[float], one_size: list[float]) -> dict[str, tuple[float, float | None] | None]:
-    """Name -> (fusion bucket size, first bucket size) in MiB (None: DDP itself; 0: one allreduce per tensor)."""
+def variants(fusion_mbs: list[float], compressions: list[str]) -> dict[str, dict | None]:
+    """Name -> fused_allreduce's keyword arguments (None: DDP itself)."""
     return {
         "ddp": None,
-        **{f"horovod fused ({mb:g} MiB)": (mb, FIRST_BUCKET_MB) for mb in fusion_mbs},
-        **{f"horovod fused ({mb:g} MiB, one size)": (mb, None) for mb in one_size},
-        "horovod per tensor": (0.0, None),
+        **{f"horovod ({mb:g} MiB)": {"fusion_mb": mb} for mb in fusion_mbs},
+        **{f"horovod {c} ({FUSION_MB:g} MiB)": {"compression": c} for c in compressions},
     }
 
 
@@ -79,32 +67,25 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
         x = torch.randn(args.batch_size, 1, 28, 28, generator=torch.Generator().manual_seed(rank))
         y = torch.randint(0, 10, (args.batch_size,), generator=torch.Generator().manual_seed(rank))
         runs = {}
-        names = variants(args.fusion_mb, args.one_size)
-        for variant, sizes in names.items():
+        names = variants(args.fusion_mb, args.compression)
+        for variant, kwargs in names.items():
             model = build()
             model.load_state_dict(base.state_dict())
-            params = [p for p in model.parameters() if p.requires_grad]
-            if sizes is None:
-                runs[variant] = (nn.parallel.DistributedDataParallel(model), None)
-            else:
-                fusion, first = (None if mb is None else int(mb * 2**20) for mb in sizes)
-                sync = GradientAllreduce(params, world, fusion_bytes=fusion, first_bucket_bytes=first)
-                runs[variant] = (model, sync)
-        optimizers = {v: torch.optim.SGD(m.parameters(), lr=0.01) for v, (m, _) in runs.items()}
+            ddp = nn.parallel.DistributedDataParallel
+            runs[variant] = ddp(model) if kwargs is None else fused_allreduce(model, world, **kwargs)
+        optimizers = {v: torch.optim.SGD(m.parameters(), lr=0.01) for v, m in runs.items()}
         times: dict[str, list[float]] = {v: [] for v in names}
-        waits: dict[str, list[float]] = {v: [] for v in names}
         for repeat in range(args.repeats):
             order = list(names)[repeat % len(names) :] + list(names)[: repeat % len(names)]
             for variant in order:
-                model, sync = runs[variant]
                 for _ in range(args.warmup):
-                    _step(model, optimizers[variant], x, y, sync)
+                    _step(runs[variant], optimizers[variant], x, y)
                 dist.barrier()
                 start = time.perf_counter()
-                waited = sum(_step(model, optimizers[variant], x, y, sync) for _ in range(args.steps))
+                for _ in range(args.steps):
+                    _step(runs[variant], optimizers[variant], x, y)
                 dist.barrier()
                 times[variant].append((time.perf_counter() - start) / args.steps)
-                waits[variant].append(waited / args.steps)
         tensors = sum(1 for p in base.parameters())
         for variant in names:
             ms = median(times[variant])
@@ -116,7 +97,6 @@ def _worker(rank: int, world: int, port: int, args, out) -> None:
                     "reduction": variant,
                     "ms_per_step": 1000 * ms,
                     "vs_ddp": median(ratios),
-                    "wait_after_backward_ms": "-" if names[variant] is None else 1000 * median(waits[variant]),
                     "spread": (max(times[variant]) - min(times[variant])) / ms,
                 }
             )
@@ -133,11 +113,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
-        "--fusion-mb", type=float, nargs="+", default=[64.0, 25.0], help="fusion bucket sizes to time (MiB)"
+        "--fusion-mb", type=float, nargs="+", default=[25.0, 64.0, 0.0], help="fusion bucket sizes to time (MiB)"
     )
-    parser.add_argument(
-        "--one-size", type=float, nargs="*", default=[64.0], help="bucket sizes to time without a small first one"
-    )
+    parser.add_argument("--compression", nargs="*", default=["fp16"], choices=["fp16", "bf16"])
     args = parser.parse_args()
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
@@ -148,11 +126,9 @@ def main() -> None:
     notes = (
         f"{args.ranks} processes on gloo, batch {args.batch_size} per rank, {args.steps} timed steps after "
         f"{args.warmup} warm-up, median of {args.repeats} repeats in rotating order; vs_ddp: median of the paired "
-        "ratios to ddp's step time (below 1 is faster); wait_after_backward_ms: the time synchronize() waits for the "
-        "allreduces after backward returned (communication not hidden behind backward; ddp waits inside backward); "
-        "spread: (max - min) / median."
+        "ratios to ddp's step time (below 1 is faster); spread: (max - min) / median."
     )
-    columns = ["model", "tensors", "reduction", "ms_per_step", "vs_ddp", "wait_after_backward_ms", "spread"]
+    columns = ["model", "tensors", "reduction", "ms_per_step", "vs_ddp", "spread"]
     path = record("reductions", "bench.reductions", rows, columns, notes, device="cpu")  # gloo on CPU, always
     print(path.read_text())
 

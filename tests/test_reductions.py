@@ -16,7 +16,7 @@ from torch import nn
 
 from app.errors import UserError
 from app.strategies import HorovodStrategy
-from app.strategies.reductions import adasum, fusion_buckets, segment_index
+from app.strategies.reductions import adasum, segment_index
 from tests import reduction_run, warm
 from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import CASES, MPI_ENV, MPIRUN, REFERENCE
@@ -166,55 +166,59 @@ def test_adasum_adds_orthogonal_vectors_and_keeps_equal_ones():
     assert torch.allclose(adasum(tiny, y, [2]), tiny + y)
 
 
-def test_fusion_buckets_keep_order_size_and_dtype():
-    tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.float64), torch.zeros(1)]
-    assert fusion_buckets(tensors, max_bytes=80) == [[0, 1], [2], [3], [4]]
-    assert fusion_buckets(tensors, max_bytes=0) == [[0], [1], [2], [3], [4]]
-    assert fusion_buckets(tensors, max_bytes=2**20) == [[0, 1, 2], [3], [4]]
-
-
-def test_fusion_buckets_start_with_a_small_one():
-    tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(20)]
-    assert fusion_buckets(tensors, max_bytes=200, first_bytes=40) == [[0], [1, 2], [3]]
-    assert fusion_buckets(tensors, max_bytes=40, first_bytes=200) == [[0], [1], [2], [3]]  # never above max_bytes
-
-
-def test_the_default_buckets_start_the_first_allreduce_early_in_backward():
-    """ResNet-18's 44.7 MB of gradients fit one bucket of the old default (64 MiB): its allreduce started only once
-    backward was over, nothing overlapped. The default is now DDP's: 25 MiB buckets, the first of 1 MiB, so the
-    head's gradients go first and the rest of backward runs beside the allreduces (issue 35, item 10). Counted on a
-    real gloo group of one: how many gradients were ready when each bucket started."""
+@pytest.fixture
+def group_of_one():
+    """A real gloo process group of one (the tests' own unless one is already up)."""
     import torch.distributed as dist
-    import torchvision
     from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
-    from app.strategies.horovod import HorovodStrategy
-    from app.strategies.reductions import FUSION_MB, GradientAllreduce
-
-    assert HorovodStrategy().fusion_mb == FUSION_MB == 25
     own_group = not dist.is_initialized()
     if own_group:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_network_port()}", rank=0, world_size=1)
-    try:
-        net = torchvision.models.resnet18(num_classes=10)
-        params = list(net.parameters())
+    yield
+    if own_group:
+        dist.destroy_process_group()
 
-        def ready_at_each_start(sync: GradientAllreduce) -> list[int]:
-            ready: list[int] = []
-            start = sync._start
-            sync._start = lambda bucket: (ready.append(sum(b.ready for b in sync.buckets)), start(bucket))
-            net(torch.randn(2, 3, 32, 32)).sum().backward()
-            sync.synchronize()
-            sync.remove()
-            return ready
 
-        default = ready_at_each_start(GradientAllreduce(params, world_size=1))
-        assert len(default) == 3 and default[0] <= 4 and default[1] < len(params)  # fc, then layer4, then the rest
-        old = ready_at_each_start(GradientAllreduce(params, 1, fusion_bytes=64 * 2**20, first_bucket_bytes=None))
-        assert old == [len(params)]  # one bucket, started after the last gradient
-    finally:
-        if own_group:
-            dist.destroy_process_group()
+@pytest.fixture
+def allreduced(monkeypatch) -> list[int]:
+    """The element count of each allreduce started from now on (the hook's, through torch.distributed)."""
+    import torch.distributed as dist
+
+    sizes: list[int] = []
+    all_reduce = dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        sizes.append(tensor.numel())
+        return all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", recording)
+    return sizes
+
+
+@pytest.mark.parametrize(("fusion_mb", "buckets"), [(25.0, "several"), (64.0, "one"), (0.0, "one per gradient")])
+def test_fusion_mb_sizes_the_buckets_that_start_during_backward(group_of_one, allreduced, fusion_mb, buckets):
+    """ResNet-18's 44.7 MB of gradients: at the default (DDP's 25 MiB, a small first bucket) the head's gradients go
+    first and the rest of backward runs beside the allreduces (issue 35, item 10); 64 MiB is one bucket, sent after
+    the last gradient; 0 sends each gradient alone. Counted on the third step: DDP builds its buckets in the order
+    of the first backward."""
+    import torchvision
+
+    from app.strategies.reductions import fused_allreduce
+
+    net = torchvision.models.resnet18(num_classes=10)
+    model = fused_allreduce(net, world_size=1, fusion_mb=fusion_mb)
+    for _ in range(3):
+        allreduced.clear()
+        model(torch.randn(2, 3, 32, 32)).sum().backward()
+    params = list(net.parameters())
+    assert sum(allreduced) == sum(p.numel() for p in params)
+    if buckets == "one":
+        assert len(allreduced) == 1
+    elif buckets == "one per gradient":
+        assert len(allreduced) == len(params)
+    else:
+        assert len(allreduced) == 3 and allreduced[0] < sum(allreduced) / 4, allreduced
 
 
 def test_adasum_needs_a_power_of_two_number_of_ranks():
@@ -295,70 +299,73 @@ def test_ddp_comm_hook_options_are_checked(kwargs, message):
 
 
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["grads dropped", "grads zeroed"])
-def test_reduced_gradients_are_bucket_views_and_right_either_way_an_optimizer_zeroes(set_to_none):
-    """One rank (a real gloo group of one): the reduced gradient is the local one times the post-scale, as a view
-    of the bucket. An optimizer that zeroes gradients in place lets backward accumulate into the bucket itself."""
-    import torch.distributed as dist
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
+def test_reduced_gradients_are_scaled_bucket_views_either_way_an_optimizer_zeroes(group_of_one, set_to_none):
+    """One rank: the reduced gradient is the local one times the post-scale (an average over "2": halved), a view of
+    DDP's bucket, whether the optimizer drops gradients or zeroes them in place."""
+    from app.strategies.reductions import fused_allreduce
 
-    from app.strategies.reductions import GradientAllreduce
-
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_network_port()}", rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-        params = list(net.parameters())
-        sync = GradientAllreduce(params, world_size=2, fusion_bytes=64)  # average over "2": grads halved
-        optimizer = torch.optim.SGD(params, lr=0.1)
-        for _ in range(3):
-            x = torch.randn(5, 3)
-            optimizer.zero_grad(set_to_none=set_to_none)
-            expected = torch.autograd.grad(net(x).square().sum(), params)
-            net(x).square().sum().backward()
-            sync.synchronize()
-            for param, grad in zip(params, expected, strict=True):
-                torch.testing.assert_close(param.grad, grad / 2)
-            bucket_memory = {b.buffer.data_ptr() for b in sync.buckets}
-            assert all(p.grad.untyped_storage().data_ptr() in bucket_memory for p in params)
-            optimizer.step()
-        sync.remove()
-    finally:
-        if own_group:
-            dist.destroy_process_group()
-
-
-@pytest.mark.parametrize("compression", ["none", "bf16"])
-def test_channels_last_gradients_keep_their_parameters_strides(compression):
-    """A channels_last convolution's reduced gradient has its parameter's strides (the buckets handed back NCHW views
-    of NHWC parameters: SGD's foreach kernels fell back, momentum came out NCHW), with the right values, fused or
-    through a compressed wire (issue 35, item 11)."""
-    import torch.distributed as dist
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-    from app.strategies.reductions import GradientAllreduce
-
-    own_group = not dist.is_initialized()
-    if own_group:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{find_free_network_port()}", rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
-        params = list(net.parameters())
-        sync = GradientAllreduce(params, world_size=2, compression=compression)
-        x = torch.randn(2, 3, 9, 9).contiguous(memory_format=torch.channels_last)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    params = list(net.parameters())
+    model = fused_allreduce(net, world_size=2, fusion_mb=0.0001)
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    for _ in range(3):
+        x = torch.randn(5, 3)
+        optimizer.zero_grad(set_to_none=set_to_none)
         expected = torch.autograd.grad(net(x).square().sum(), params)
-        net(x).square().sum().backward()
-        sync.synchronize()
-        tolerance = {"rtol": 1e-2, "atol": 1e-2} if compression == "bf16" else {}
+        model(x).square().sum().backward()
         for param, grad in zip(params, expected, strict=True):
-            assert param.grad.stride() == param.stride(), (param.shape, param.grad.stride(), param.stride())
-            torch.testing.assert_close(param.grad, grad / 2, **tolerance)
-        sync.remove()
-    finally:
-        if own_group:
-            dist.destroy_process_group()
+            torch.testing.assert_close(param.grad, grad / 2)
+        assert all(p.grad._base is not None for p in params)  # views: no copy back
+        optimizer.step()
+
+
+def test_a_parameter_without_gradient_needs_find_unused_parameters(group_of_one):
+    """DDP's rule, now the horovod strategy's: a parameter that gets no gradient fails the next step with a message
+    naming find_unused_parameters (--trainer.strategy.find_unused_parameters=true), which lets it be."""
+    from app.strategies.reductions import fused_allreduce
+
+    def two_steps(find_unused_parameters: bool) -> None:
+        heads = nn.ModuleDict({"used": nn.Linear(3, 2), "unused": nn.Linear(3, 2)})
+        model = fused_allreduce(_UsesOneHead(heads), world_size=2, find_unused_parameters=find_unused_parameters)
+        for _ in range(2):
+            model(torch.randn(4, 3)).sum().backward()
+        assert heads["used"].weight.grad is not None and heads["unused"].weight.grad is None
+
+    two_steps(find_unused_parameters=True)
+    with pytest.raises(RuntimeError, match="find_unused_parameters"):
+        two_steps(find_unused_parameters=False)
+
+
+class _UsesOneHead(nn.Module):
+    def __init__(self, heads: nn.ModuleDict) -> None:
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, x):
+        return self.heads["used"](x)
+
+
+@pytest.mark.parametrize(("compression", "predivide"), [("none", 1.0), ("bf16", 1.0), ("none", 4.0)])
+def test_channels_last_gradients_keep_their_parameters_strides(group_of_one, compression, predivide):
+    """A channels_last convolution's reduced gradient has its parameter's strides (SGD's foreach kernels then keep
+    the layout), with the right values, through a compressed wire too, and with a predivide factor (issue 35,
+    item 11)."""
+    from app.strategies.reductions import fused_allreduce
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 4, 3)).to(memory_format=torch.channels_last)
+    params = list(net.parameters())
+    model = fused_allreduce(net, world_size=2, compression=compression, predivide=predivide)
+    x = torch.randn(2, 3, 9, 9).contiguous(memory_format=torch.channels_last)
+    expected = torch.autograd.grad(net(x).square().sum(), params)
+    model(x).square().sum().backward()
+    tolerance = {"rtol": 1e-2, "atol": 1e-2} if compression == "bf16" else {}
+    for param, grad in zip(params, expected, strict=True):
+        assert param.grad.stride() == param.stride(), (param.shape, param.grad.stride(), param.stride())
+        torch.testing.assert_close(param.grad, grad / 2, **tolerance)
+        if compression == "bf16":  # what travelled was rounded to bf16: not the exact half
+            assert not torch.equal(param.grad, grad / 2)
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,8 @@ Horovod semantics:
 
 - at start, parameters, buffers and optimizer state are broadcast from rank 0;
 - gradients are reduced like ``hvd.DistributedOptimizer``, in fusion buckets (``fusion_mb``, Tensor Fusion) whose
-  allreduce starts during backward as soon as the bucket is complete, all waited for before ``optimizer.step()``;
+  allreduce starts during backward as soon as the bucket is complete, all waited for before ``optimizer.step()``:
+  DDP's reducer does this, with Horovod's reduction as its communication hook;
 - ``op`` (``average``, ``sum``, or ``adasum`` of the local optimizer steps), ``compression`` (``none``, ``fp16``,
   ``bf16``: what travels is 16 bits wide) and ``gradient_predivide_factor`` (divide by f before the sum and by
   size/f after) mean what they mean in Horovod; the reductions live in :mod:`app.strategies.reductions`;
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -43,6 +43,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from app.errors import UserError
@@ -53,8 +54,8 @@ from app.strategies.reductions import (
     WIRE_DTYPES,
     AdasumDelta,
     Compression,
-    GradientAllreduce,
     ReduceOp,
+    fused_allreduce,
     is_power_of_two,
 )
 
@@ -77,6 +78,7 @@ class HorovodStrategy(ParallelStrategy):
         op: ReduceOp = "average",
         gradient_predivide_factor: float = 1.0,
         fusion_mb: float = FUSION_MB,
+        find_unused_parameters: bool = False,
         timeout: float = 1800.0,
         max_restarts: int = 0,
         accelerator=None,
@@ -91,8 +93,10 @@ class HorovodStrategy(ParallelStrategy):
                 optimizer steps (needs a power-of-two number of ranks).
             gradient_predivide_factor: Divide gradients by this before the sum, and by size/this after.
             fusion_mb: Gradients are allreduced in buckets of up to this many MiB (Horovod's Tensor Fusion,
-                HOROVOD_FUSION_THRESHOLD), the first of at most 1 MiB, as DDP's (25 MiB: a bucket's allreduce
-                overlaps the rest of backward); 0 sends every gradient on its own.
+                HOROVOD_FUSION_THRESHOLD): DDP's buckets, whose allreduce overlaps the rest of backward. At the
+                default (DDP's 25) the first bucket is 1 MiB, as DDP's; 0 sends every gradient on its own.
+            find_unused_parameters: Let parameters get no gradient in a step (DDP's option of that name; it costs
+                a walk of the autograd graph per step).
             timeout: Seconds a collective may wait for the other ranks before the run fails.
             max_restarts: When this strategy starts its ranks itself (``--trainer.devices=N``, no mpirun around
                 it): after a rank fails, restart up to this many times on the ranks that survived, from the state
@@ -113,11 +117,10 @@ class HorovodStrategy(ParallelStrategy):
         if not math.isfinite(fusion_mb) or fusion_mb < 0:
             raise UserError(f"--trainer.strategy.fusion_mb={fusion_mb} must be a finite number >= 0 (0: no fusion)")
         self.compression, self.op, self.predivide, self.timeout = compression, op, gradient_predivide_factor, timeout
-        self.fusion_mb, self.max_restarts = fusion_mb, max_restarts
+        self.fusion_mb, self.find_unused_parameters, self.max_restarts = fusion_mb, find_unused_parameters, max_restarts
         environment = MPILaunchEnvironment() if MPILaunchEnvironment.detect() else None
         super().__init__(accelerator, parallel_devices, environment, checkpoint_io, precision_plugin)
         self._num_nodes = 1
-        self._grad_sync: GradientAllreduce | None = None
         self._adasum: AdasumDelta | None = None
         if environment is not None:  # so that only rank 0 prints and logs from the very start
             rank_zero_only.rank = environment.global_rank()
@@ -275,17 +278,20 @@ class HorovodStrategy(ParallelStrategy):
                 dist.broadcast(tensor.data, src=0)
         if self.optimizers:
             self._broadcast_optimizer_state()
-        if self.optimizers and self.world_size > 1 and self.op == "adasum":
+        if not self.optimizers or self.world_size == 1:  # not fitting, or nothing to reduce
+            return
+        if self.op == "adasum":
             self._adasum = AdasumDelta(self.compression)
-        elif self.optimizers and self.world_size > 1:
-            self._grad_sync = GradientAllreduce(
-                [p for p in module.parameters() if p.requires_grad],
-                self.world_size,
-                self.op,
-                self.compression,
-                self.predivide,
-                fusion_bytes=int(self.fusion_mb * 2**20),
-            )
+            return
+        self.model = fused_allreduce(
+            module,
+            self.world_size,
+            self.op,
+            self.compression,
+            self.predivide,
+            self.fusion_mb,
+            self.find_unused_parameters,
+        )
 
     def _broadcast_optimizer_state(self) -> None:
         for optimizer in self.optimizers:
@@ -301,23 +307,14 @@ class HorovodStrategy(ParallelStrategy):
         self.model.to(self.root_device)
 
     # ---------------------------------------------------------------- gradients
-    @contextmanager
+    # ParallelStrategy.block_backward_sync enters DDP's no_sync() for the batches that only accumulate.
     @override
-    def block_backward_sync(self):
-        """Lightning enters this for the batches that only accumulate: no communication then."""
-        if self._grad_sync is None:
-            yield
-            return
-        self._grad_sync.enabled = False
-        try:
-            yield
-        finally:
-            self._grad_sync.enabled = True
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Manual optimization: tell DDP's reducer which outputs backward starts from, as Lightning's DDP does."""
+        if isinstance(self.model, DistributedDataParallel) and not self.lightning_module.automatic_optimization:
+            from lightning.pytorch.overrides.distributed import prepare_for_backward
 
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        if self._grad_sync is not None and self._grad_sync.enabled:
-            self._grad_sync.synchronize()
+            prepare_for_backward(self.model, closure_loss)
 
     @override
     def optimizer_step(self, optimizer, closure, model=None, **kwargs: Any) -> Any:
@@ -373,9 +370,8 @@ class HorovodStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._grad_sync is not None:
-            self._grad_sync.remove()
-            self._grad_sync = None
+        if isinstance(self.model, DistributedDataParallel):
+            self.model = self.lightning_module
         self._adasum = None
         super().teardown()
 

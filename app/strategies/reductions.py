@@ -1,8 +1,8 @@
 """How the horovod strategy combines the ranks' work: Horovod's reductions, over ``torch.distributed``.
 
-- :class:`GradientAllreduce`: average or sum of the gradients, as ``hvd.DistributedOptimizer`` does it. Gradients
-  are packed into fusion buckets (Horovod's Tensor Fusion, ``HOROVOD_FUSION_THRESHOLD``) in one fixed order, and a
-  bucket's allreduce starts during backward as soon as all of its gradients are ready.
+- :func:`horovod_allreduce_hook`: average or sum of the gradients, as ``hvd.DistributedOptimizer`` does it, as a
+  communication hook on DDP's reducer: its buckets are Horovod's Tensor Fusion (``HOROVOD_FUSION_THRESHOLD``, here
+  ``fusion_mb``), each allreduced during backward as soon as all of its gradients are ready, in one fixed order.
 - :class:`AdasumDelta`: Adasum (Maleki et al. 2020, ``op=hvd.Adasum``) of the weight deltas of a local optimizer
   step, combined by recursive distance-doubling: ranks 0+1, 2+3, ..., then the pairs' results, and so on.
 - Compression: what travels is cast to a 16-bit wire dtype (``fp16``, ``bf16``), and computed on in the
@@ -11,181 +11,90 @@
 The tests check it against their own implementation of the formulas.
 """
 
-from __future__ import annotations
-
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 
 ReduceOp = Literal["average", "sum", "adasum"]
 Compression = Literal["none", "fp16", "bf16"]
 WIRE_DTYPES: dict[str, torch.dtype | None] = {"none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 ADASUM_MIN_NORM_SQUARED = 1e-8  # below it a vector's coefficient is 1, as in Horovod (no division by ~0)
-# Bucket sizes, DDP's: 25 MiB (bucket_cap_mb), and a first bucket of 1 MiB (torch.distributed's
-# _DEFAULT_FIRST_BUCKET_BYTES), so that the first allreduce starts after the last layers' few gradients instead of
-# waiting for a whole bucket's worth of backward. A network smaller than one bucket (ResNet-18's 44.7 MB under
-# Horovod's 64 MiB) otherwise communicates only after backward: no overlap at all.
-FUSION_MB = 25.0
-FIRST_BUCKET_MB = 1.0
+FUSION_MB = 25.0  # DDP's bucket_cap_mb; at this default the first bucket is 1 MiB (DDP's)
 
 
-def fusion_buckets(tensors: Sequence[Tensor], max_bytes: int, first_bytes: int | None = None) -> list[list[int]]:
-    """Split ``tensors`` (in order) into runs of one dtype and device of at most ``max_bytes`` each; the first run
-    of at most ``first_bytes`` (when smaller than ``max_bytes``).
+@dataclass(frozen=True)
+class HorovodAllreduce:
+    """The state of :func:`horovod_allreduce_hook`: what travels, and the scaling before and after the sum."""
 
-    A tensor larger than its bucket's limit is a bucket of its own; ``max_bytes=0`` gives one bucket per tensor.
-    """
-    buckets: list[list[int]] = []
-    size = 0
-    for i, tensor in enumerate(tensors):
-        nbytes = tensor.numel() * tensor.element_size()
-        previous = tensors[buckets[-1][-1]] if buckets else None
-        limit = min(max_bytes, first_bytes) if len(buckets) == 1 and first_bytes is not None else max_bytes
-        if (
-            previous is None
-            or size + nbytes > limit
-            or (previous.dtype, previous.device) != (tensor.dtype, tensor.device)
-        ):
-            buckets.append([])
-            size = 0
-        buckets[-1].append(i)
-        size += nbytes
-    return buckets
+    wire_dtype: torch.dtype | None
+    prescale: float
+    postscale: float
 
-
-class _Bucket:
-    """Gradients reduced together: one flat buffer, one allreduce.
-
-    Without compression the reduced gradients are handed back as views of the buffer (as DDP's
-    ``gradient_as_bucket_view``): no copy back. When they are still those views at the next step (an optimizer
-    that zeroes gradients instead of dropping them), backward has accumulated into the buffer itself, and nothing
-    needs packing either.
-    """
-
-    def __init__(self, params: list[Tensor], wire_dtype: torch.dtype | None) -> None:
-        self.params = params
-        self.sizes = [p.numel() for p in params]
-        first = params[0]
-        self.buffer = torch.empty(sum(self.sizes), dtype=wire_dtype or first.dtype, device=first.device)
-        self.as_views = self.buffer.dtype == first.dtype
-        # Each parameter's part of the buffer, with the parameter's own strides (channels_last convolutions too, as
-        # DDP's bucket views): the optimizer's foreach kernels and its state then keep the parameter's layout.
-        self.views = [_like(chunk, p) for p, chunk in zip(params, self.buffer.split(self.sizes), strict=True)]
-        self.contiguous = all(p.is_contiguous() for p in params)  # buffer order is then the gradients' own
-        self.ready = 0
-        self.handle: Any = None
-
-    def pack(self, prescale: float) -> None:
-        for param in self.params:
-            if param.grad is None:  # unused in this step: contributes zeros, and the optimizer gets the reduced sum
-                param.grad = torch.zeros_like(param)
-        if not (self.as_views and self._grads_are_views()):
-            if not self.contiguous:  # each gradient into its view, in its parameter's memory order
-                for param, view in zip(self.params, self.views, strict=True):
-                    view.copy_(param.grad)
-            elif self.as_views:
-                torch.cat([param.grad.reshape(-1) for param in self.params], out=self.buffer)  # one copy in all
-            else:
-                self.buffer.copy_(torch.cat([param.grad.reshape(-1) for param in self.params]))  # to the wire dtype
-        if prescale != 1.0:
-            self.buffer.mul_(prescale)
-
-    def unpack(self, postscale: float) -> None:
-        if self.as_views:
-            if postscale != 1.0:
-                self.buffer.mul_(postscale)
-            for param, view in zip(self.params, self.views, strict=True):
-                param.grad = view
-            return
-        reduced = self.buffer.to(self.params[0].dtype)  # back to the gradient's dtype before scaling: one rounding
-        if postscale != 1.0:
-            reduced.mul_(postscale)
-        for param, chunk in zip(self.params, reduced.split(self.sizes), strict=True):
-            param.grad.copy_(_like(chunk, param))
-
-    def _grads_are_views(self) -> bool:
-        return all(p.grad is v for p, v in zip(self.params, self.views, strict=True))
-
-
-def _like(chunk: Tensor, param: Tensor) -> Tensor:
-    """``chunk`` (flat, ``param.numel()`` long) as a tensor of ``param``'s shape and, when ``param`` is dense in
-    another memory order (channels_last), its strides."""
-    if param.is_contiguous() or not _dense(param):
-        return chunk.view(param.shape)
-    return chunk.as_strided(param.shape, param.stride())
-
-
-def _dense(tensor: Tensor) -> bool:
-    """Whether the tensor's elements fill its memory without gaps or overlaps, in some order of its dimensions."""
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda pair: pair[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-class GradientAllreduce:
-    """Horovod's DistributedOptimizer mechanism: fused asynchronous allreduces of the gradients, started in backward.
-
-    A hook on every parameter counts the gradients that backward has finished. Buckets are started in one fixed
-    order (reverse registration order, roughly the order backward produces gradients), so every rank issues the
-    same collectives in the same sequence even when its gradients become ready in a different order. A bucket that
-    is complete early waits for its predecessors. :meth:`synchronize` starts what is left, waits for everything and
-    writes the reduced gradients back.
-    """
-
-    def __init__(
-        self,
-        params: list[Tensor],
-        world_size: int,
-        op: ReduceOp = "average",
-        compression: Compression = "none",
-        predivide: float = 1.0,
-        fusion_bytes: int = int(FUSION_MB * 2**20),
-        first_bucket_bytes: int | None = int(FIRST_BUCKET_MB * 2**20),
-    ) -> None:
+    @classmethod
+    def of(cls, world_size: int, op: ReduceOp, compression: Compression, predivide: float) -> "HorovodAllreduce":
         if op not in ("average", "sum"):
-            raise ValueError(f"GradientAllreduce reduces by average or sum, not {op!r}")
-        order = list(reversed(params))
-        wire_dtype = WIRE_DTYPES[compression]
-        runs = fusion_buckets(order, fusion_bytes, first_bucket_bytes)
-        self.buckets = [_Bucket([order[i] for i in run], wire_dtype) for run in runs]
-        self._bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
-        self.prescale = 1.0 / predivide
-        self.postscale = predivide / world_size if op == "average" else 1.0
-        self.enabled = True
-        self._next = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+            raise ValueError(f"HorovodAllreduce reduces by average or sum, not {op!r}")
+        postscale = predivide / world_size if op == "average" else 1.0
+        return cls(WIRE_DTYPES[compression], 1.0 / predivide, postscale)
 
-    def _on_grad_ready(self, param: Tensor) -> None:
-        if not self.enabled:
-            return
-        self.buckets[self._bucket_of[id(param)]].ready += 1
-        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].sizes):
-            self._start(self.buckets[self._next])
-            self._next += 1
 
-    def _start(self, bucket: _Bucket) -> None:
-        bucket.pack(self.prescale)
-        bucket.handle = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.SUM, async_op=True)
+def horovod_allreduce_hook(state: HorovodAllreduce, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+    """A DDP communication hook: Horovod's average or sum of one fusion bucket (its Tensor Fusion is DDP's bucket).
 
-    def synchronize(self) -> None:
-        for bucket in self.buckets[self._next :]:
-            self._start(bucket)
-        for bucket in self.buckets:
-            bucket.handle.wait()
-            bucket.unpack(self.postscale)
-            bucket.ready, bucket.handle = 0, None
-        self._next = 0
+    The bucket is cast to the wire dtype (fp16/bf16 compression), scaled by ``1/predivide``, summed over the ranks,
+    cast back to the gradients' dtype (one rounding) and scaled by ``predivide/size`` (average) or 1 (sum).
+    """
+    buffer = bucket.buffer()
+    wire = buffer if state.wire_dtype is None else buffer.to(state.wire_dtype)
+    if state.prescale != 1.0:
+        wire.mul_(state.prescale)
 
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
+    def finish(future: torch.futures.Future[list[Tensor]]) -> Tensor:
+        reduced = future.value()[0]
+        if reduced is not buffer:
+            buffer.copy_(reduced)
+        if state.postscale != 1.0:
+            buffer.mul_(state.postscale)
+        return buffer
+
+    return dist.all_reduce(wire, async_op=True).get_future().then(finish)
+
+
+def fused_allreduce(
+    module: torch.nn.Module,
+    world_size: int,
+    op: ReduceOp = "average",
+    compression: Compression = "none",
+    predivide: float = 1.0,
+    fusion_mb: float = FUSION_MB,
+    find_unused_parameters: bool = False,
+) -> DistributedDataParallel:
+    """``module`` in DDP, its gradients reduced by :func:`horovod_allreduce_hook` in buckets of ``fusion_mb`` MiB.
+
+    DDP's reducer starts each bucket's hook during backward as soon as the bucket is complete, in one fixed order on
+    every rank, and waits for all of them before backward returns; under ``no_sync()`` it communicates nothing.
+    Buffers are not broadcast at each forward (Horovod broadcasts them once, at start).
+
+    (No ``from __future__ import annotations`` in this module: DDP checks the hook's annotations as objects.)
+    """
+    device = next(module.parameters()).device
+    model = DistributedDataParallel(
+        module,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=None if fusion_mb == FUSION_MB else fusion_mb,  # None: DDP's 25 MiB with a first of 1 MiB
+        forward_sync_buffers=False,
+        init_sync=False,  # the strategy has broadcast rank 0's parameters and buffers
+        gradient_as_bucket_view=True,
+        find_unused_parameters=find_unused_parameters,
+    )
+    model.register_comm_hook(HorovodAllreduce.of(world_size, op, compression, predivide), horovod_allreduce_hook)
+    return model
 
 
 def segment_index(sizes: Sequence[int], device: torch.device) -> Tensor:
