@@ -119,3 +119,17 @@ def test_no_block_of_app_is_over_radons_20_and_at_most_12_are_over_15():
     assert {name: score for name, score in scores.items() if score > MOST_COMPLEX} == {}
     complex_blocks = sorted(f"{name} ({score})" for name, score in scores.items() if score > COMPLEX)
     assert len(complex_blocks) <= MOST_COMPLEX_BLOCKS, complex_blocks
+
+
+def test_the_process_is_forced_out_in_one_place_outside_a_launchers_child():
+    """Issue 71: ``os._exit`` skips logger finalisation and atexit hooks, which then had to be redone by hand at each
+    call. It stays where nothing else can end the process (a helper thread whose main thread is blocked in a
+    collective or in init_process_group): formation.stop_process, which the rank watchdog calls too; and the MPI
+    worker's child, whose parent (mpirun) needs its exit code without MPI_Finalize."""
+    callers = sorted(
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "app").rglob("*.py")
+        for line in path.read_text().splitlines()
+        if "os._exit(" in line.split("#")[0] and "``os._exit``" not in line
+    )
+    assert callers == ["app/launch/formation.py", "app/strategies/launchers/_mpi_worker.py"]

@@ -36,6 +36,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch.distributed as dist
 from lightning.pytorch import Callback
@@ -44,6 +45,7 @@ from typing_extensions import override
 from app.callbacks.heartbeat import Heartbeat, rendezvous_store
 from app.callbacks.stop_plan import StopPlan, stop_plan
 from app.errors import UserError
+from app.launch.formation import stop_process
 from app.launch.host_address import answers
 from app.launch.launcher import TorchrunAgent, mpi_daemon, torchrun_agent
 from app.launch.restarts import restart_after_failure, restarts_left
@@ -225,14 +227,10 @@ class RankWatchdog(Callback):
             return ""
         return f" without the checkpoint {signal.Signals(signum).name} asked for: it needs every rank"
 
-    def _end(self) -> None:
+    def _end(self) -> NoReturn:
         for process in self._children:  # the local ranks this process started
             if process.poll() is None:
                 process.send_signal(signal.SIGKILL)
-        # what the process would do on its way out, which os._exit skips (the CLI's removal of an unused run folder)
-        for cleanup in self._plan.before_exit if self._plan else ():
-            with contextlib.suppress(Exception):
-                cleanup()
         # torch's agent at once, before it can close the rendezvous (and with no traceback, which SIGTERM gives); mpirun
         # once it has passed this rank's line on (it reads the ranks' output), before it waits for the lost node
         if self.cut_off is not None:
@@ -242,7 +240,9 @@ class RankWatchdog(Callback):
             time.sleep(1.0)
             with contextlib.suppress(OSError):
                 os.kill(self.mpi_daemon[0], signal.SIGKILL)
-        os._exit(EXIT_CODE)  # the main thread may be stuck in a collective: it cannot be unwound
+        # the main thread may be stuck in a collective: it cannot be unwound. The cleanups are what the process would
+        # do on its way out (the CLI's removal of an unused run folder, the trackers' runs ended)
+        stop_process(None, self._plan.before_exit if self._plan else ())
 
     def expect_save(self) -> None:
         """Called before training by a callback that writes this rank's state when a peer is lost (the

@@ -37,8 +37,9 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
+from typing import NoReturn
 
 from app.launch.host_address import resolves
 from app.launch.launcher import expected_ranks, is_first_process, launcher_ranks, slurm_job, this_rank, torchrun_job
@@ -241,15 +242,20 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def stop_process(line: str | None) -> None:
-    """Say ``line`` (where given), run the :func:`before_stopping` cleanups and end the process with exit code 1, from
-    any thread: the main thread may be blocked inside ``init_process_group``, where nothing can be raised into it."""
+def stop_process(line: str | None, cleanups: Iterable[Callable[[], object]] | None = None) -> NoReturn:
+    """Say ``line`` (where given), run ``cleanups`` (by default the :func:`before_stopping` ones: what the process
+    would do on its way out) and end the process with exit code 1, from any thread.
+
+    The one forced exit outside a launcher's child: its callers (this watch, the rank watchdog) are helper threads
+    whose main thread may be blocked in ``init_process_group`` or a gloo collective, which nothing unblocks.
+    """
     if line:
         say(line)
-    for cleanup in _before_stopping:
+    for cleanup in _before_stopping if cleanups is None else cleanups:
         with contextlib.suppress(Exception):  # the line is said: the rest is tidying up
             cleanup()
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(EXIT_CODE)
 
 
