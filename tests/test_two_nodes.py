@@ -571,7 +571,10 @@ def test_a_link_cut_mid_epoch_costs_the_step_in_flight_and_the_cut_off_node_rejo
     said = [line for line in logs["b"].read_text().splitlines() if re.search(r"\[rank \d\]", line)]
     assert len(said) == 1, tails()  # one line: the verdict, the save and what to do
     assert re.search(r"\[rank \d\] lost the network: .* the rendezvous host a:29400 does not answer", said[0]), tails()
-    assert re.search(r"Saved the state after step \d+ to \S+last\.ckpt; its torchrun agent is stopped too", said[0])
+    # (or rank 0's file of the same step, written first, stays: ranks' BatchNorm statistics differ, rank 0's count)
+    kept = r"\S+last\.ckpt holds step \d+ already, and stays as it is"
+    saved = rf"(Saved the state after step \d+ to \S+last\.ckpt|{kept})"
+    assert re.search(rf"{saved}; its torchrun agent is stopped too", said[0]), said[0]
     assert processes["b"].returncode != 0
     # nothing left on b: no agent waiting to close the rendezvous later. (The rank stops its agent, then ends itself:
     # under load it was seen still ending the moment the agent had gone, once, in a whole run beside other tests.)
