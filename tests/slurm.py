@@ -374,6 +374,22 @@ class SlurmCluster:
         """``scancel [--signal=SIGNAL] [OPTIONS] JOB`` (``--batch``, ``--full``: which processes get it)."""
         self.client(["scancel", *([f"--signal={signal}"] if signal else []), *options, str(job)])
 
+    @contextlib.contextmanager
+    def configured(self, **values: str):
+        """slurm.conf's ``Key=value`` lines set to ``values`` for the block (``scontrol reconfigure``), then back."""
+        before = self.conf.read_text()
+        text = before
+        for key, value in values.items():
+            text, found = re.subn(rf"(?m)^{key}=.*$", f"{key}={value}", text)
+            assert found == 1, f"slurm.conf has no {key}= line"
+        self.conf.write_text(text)
+        self.scontrol("reconfigure")
+        try:
+            yield
+        finally:
+            self.conf.write_text(before)
+            self.scontrol("reconfigure", check=False)
+
     def node_state(self, name: str) -> str:
         """``sinfo``'s short state of node ``name``: idle, alloc, mix, down*, ..."""
         return self.client(["sinfo", "-h", "-n", name, "-N", "-o", "%t"]).stdout.split()[0]  # a line per partition

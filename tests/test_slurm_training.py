@@ -332,7 +332,8 @@ def test_a_lost_node_the_survivor_saves_the_step_requeues_and_the_job_resumes_on
         cluster.scontrol("hold", job.id)
         text = job.text()
         assert "error: [rank 0] lost rank 1" in text, text[-4000:]
-        assert re.search(rf"Saved the state after step 3 to \S+; SLURM requeued job {job.id}", text), text[-4000:]
+        requeued = rf"(this rank requeued SLURM job|SLURM had requeued job) {job.id}"  # whichever noticed first
+        assert re.search(rf"Saved the state after step 3 to \S+; {requeued}", text), text[-4000:]
     finally:
         cluster.start_node("b")
     deadline = time.monotonic() + 60
@@ -345,6 +346,60 @@ def test_a_lost_node_the_survivor_saves_the_step_requeues_and_the_job_resumes_on
     assert info["JobState"] == "COMPLETED"
     assert resumed_at(job) == 3
     assert_bitwise(job, unbroken)  # dropout included: rank 1's draws at step 3 do not depend on what it had drawn
+
+
+def test_a_node_gone_silent_mid_all_reduce_is_named_saved_and_requeued_by_rank_0_and_the_job_resumes_bitwise(
+    cluster, unbroken, tmp_path
+):
+    """Node b's link goes down (no kill: nothing is closed, no reset is sent) while rank 1 is inside the gradient
+    all-reduce of step 4: rank 0 waits before its backward (tests.lose_node.PauseAtStep), the link is cut, then rank 0
+    goes into the all-reduce too, which can no longer finish. SLURM is told to wait 300 s for a silent slurmd
+    (``SlurmdTimeout``), so that only rank 0 can requeue the job in this test:
+
+    - rank 0's watchdog names rank 1 lost within ``--watchdog.timeout`` (15 s) plus 10 s;
+    - its training thread leaves the all-reduce, saves the state after step 3, and it requeues the job itself: its
+      line says so, not SLURM's ("SLURM had requeued job N itself" when SLURM noticed first);
+    - once the link is back, the job resumes from step 3 and ends bitwise equal to the unbroken job."""
+    unbroken()  # over before b goes silent: it runs a rank there too
+    marks = tmp_path / "marks"
+    pause = {"step": 3, "folder": str(marks), "where": "backward", "ranks": [0]}
+    pause_arg = "--trainer.callbacks+=" + json.dumps({"class_path": "tests.lose_node.PauseAtStep", "init_args": pause})
+    with cluster.configured(SlurmdTimeout="300"):
+        job = Job(cluster, tmp_path / "silent-node", hold=False, more=(pause_arg,))
+        deadline = time.monotonic() + 180
+        while not ((marks / "paused-0").exists() and (marks / "passed-1").exists()):
+            info = cluster.state(job.id) or {}
+            if time.monotonic() > deadline or info.get("JobState") not in ("PENDING", "RUNNING"):
+                pytest.fail(f"job {job.id} did not reach step 3 ({info.get('JobState')}):\n{job.text()[-4000:]}")
+            time.sleep(0.2)
+        time.sleep(1)  # rank 1 goes on into the all-reduce that waits for rank 0 (milliseconds away)
+        cluster.net.cut()
+        cut = time.monotonic()
+        (marks / "go").touch()
+        named = None
+        try:
+            deadline = cut + 90
+            while "Saved the state after step" not in (text := job.text()) and time.monotonic() < deadline:
+                if named is None and "error: [rank 0] lost rank 1" in text:
+                    named = time.monotonic() - cut
+                time.sleep(0.2)
+            # the verdict first, then the save, with no error of the collective's own: it failed because the verdict
+            # shut rank 1's connections down (a killed node's closed connections fail it at once, before any verdict)
+            verdict = re.search(r"error: \[rank 0\] lost rank 1: .* Saving this rank's state first", text)
+            requeued = f"this rank requeued SLURM job {job.id}"
+            saved = re.search(rf"\[rank 0\] Saved the state after step 3 to \S+; {requeued}", text)
+            assert verdict and saved and verdict.start() < saved.start(), text[-4000:]
+            assert cluster.node_state("b") not in ("down", "down*"), "SLURM noticed b: the requeue may be its own"
+        finally:
+            cluster.net.restore()
+        named = time.monotonic() - cut if named is None else named  # the line and the save came in one poll
+        print(f"\nrank 0 named the silent rank {named:.1f} s after the cut")
+        assert named <= 15 + 10, text[-4000:]
+        job.release()
+        info = job.finished()
+    assert (info["JobState"], info["Restarts"]) == ("COMPLETED", "1"), job.text()[-4000:]
+    assert resumed_at(job) == 3
+    assert_bitwise(job, unbroken)
 
 
 def rank_processes(cluster) -> list[int]:

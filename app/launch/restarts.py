@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.errors import UserError
 from app.launch.launcher import SlurmJob, TorchrunJob, device_count, self_launch_restarts, torchrun_job
-from app.launch.slurm import requeue, requeueable_job
+from app.launch.slurm import requeue, requeueable_job, requeued_here
 from app.parallelism import configured_to_start_own_workers
 
 
@@ -62,8 +62,10 @@ def restart_after_failure() -> str:
     slurm = requeueable_job()
     if slurm is not None:
         refused = requeue(slurm)
-        if refused is None:
-            return f"SLURM requeued job {slurm.job_id}, which resumes by itself"
+        if refused is None and requeued_here(slurm):
+            return f"this rank requeued SLURM job {slurm.job_id}, which resumes by itself"
+        if refused is None:  # SLURM noticed first (a lost node past SlurmdTimeout) and requeued it itself
+            return f"SLURM had requeued job {slurm.job_id} itself, which resumes by itself"
         return f"SLURM did not requeue the job ({refused}); submit it again with --ckpt_path last"
     return "the launcher restarts the job"
 

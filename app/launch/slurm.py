@@ -26,6 +26,11 @@ def requeueable_job() -> SlurmJob | None:
     return job if job is not None and job.batch else None
 
 
+def requeued_here(job: SlurmJob) -> bool:
+    """Whether this process requeued ``job`` (not SLURM by itself: a lost node it noticed first, a preemption)."""
+    return job.job_id in _requeued
+
+
 def requeue(job: SlurmJob) -> str | None:
     """Ask SLURM to requeue ``job`` (``scontrol requeue``): None once it is done (or was, by this process), else
     why not, in SLURM's words. SLURM then stops the job's steps (SIGTERM, SIGKILL after ``KillWait``) and runs its
