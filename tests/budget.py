@@ -45,7 +45,7 @@ FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (
     "tests/test_reliability.py": 600,  # + 5 stopped evaluations: 66 s alone (2026-11-29)
     "tests/test_two_nodes.py": 630,
     "tests/test_slurm_docs.py": 450,  # 5 SLURM jobs: 178 s alone, ~300 s beside other work (2026-11-28), x1.5
-    "tests/test_slurm_training.py": 700,  # 15 SLURM jobs, requeued and resumed: 390 s beside other work (2026-11-28)
+    "tests/test_slurm_training.py": 850,  # 16 SLURM jobs: 390 s beside other work (2026-11-28), the silent node +132 s
     "tests/test_slurm.py": 90,  # the cluster up and down: 29 s alone
     "tests/test_slurm_job.py": 90,  # one slow test of two cli.py runs: 39 s beside other work
     "tests/test_fork.py": 400,
