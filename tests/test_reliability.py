@@ -1158,65 +1158,63 @@ def _raise(error: BaseException):
     raise error
 
 
-def test_a_lost_rank_verdict_waits_until_the_survivor_saved_its_state(monkeypatch):
-    """Under a restarting launcher the survivor's state is written when its next collective fails, which may come
-    seconds after the watchdog saw the peer's process gone (a long backward before the first bucket): the verdict
-    keeps the process alive until the Elastic callback says the save is over, then ends it (issue 34, item 4)."""
+@pytest.fixture
+def watched(monkeypatch):
+    """A rank watchdog of rank 0 of 2 expecting a survivor's save, its heartbeat's verdict wired to it, in this process:
+    ``(watchdog, ended, lines, judge)``. ``judge(reason)`` starts the verdict on rank 1 in a thread of its own;
+    ``ended`` is set where the process would end (os._exit), ``lines`` are what it says."""
     import threading
 
     from app.callbacks import RankWatchdog
     from app.callbacks import rank_watchdog as module
     from app.callbacks.heartbeat import Heartbeat
 
-    ended, lines = threading.Event(), []
-    monkeypatch.setattr(RankWatchdog, "_end", lambda self: (ended.set(), _raise(Ended())))  # os._exit, in a test
+    ended, lines, threads = threading.Event(), [], []
+    monkeypatch.setattr(RankWatchdog, "_end", lambda self: (ended.set(), _raise(Ended())))
     monkeypatch.setattr(module, "_say", lines.append)
-    watchdog = RankWatchdog(timeout=5)
-    watchdog._heartbeat = Heartbeat(None, rank=0, world_size=2, timeout=5, interval=0.5, prefix="test")
-    watchdog._heartbeat.on_lost = watchdog._stop_process
-    watchdog.expect_save()
-
-    def verdict() -> None:
-        with contextlib.suppress(Ended):
-            watchdog._heartbeat._judge([1], "rank 1 (pid 7 on h) has exited")
-
-    judge = threading.Thread(target=verdict)
-    judge.start()
-    assert watchdog._heartbeat.verdict.wait(5)  # judged at once (on_exception's wait is answered) ...
-    assert not ended.wait(1.0)  # ... but the process is not ended before the state is written
-    assert lines == ["error: [rank 0] lost rank 1: rank 1 (pid 7 on h) has exited. Saving this rank's state first"]
-    watchdog.save_over(reported=True)  # Elastic wrote last.ckpt and said so
-    assert ended.wait(5)
-    judge.join(5)
-    assert len(lines) == 1  # the callback's line says what comes next
-
-
-def test_a_verdict_shuts_the_lost_ranks_connections_down_and_waits_for_the_training_threads_save(monkeypatch):
-    """A cut link: no collective fails by itself, the training thread waits in one for good. The verdict shuts this
-    process's connections to the lost rank down (tests/test_connections.py: the collective then fails at once), and
-    ends the process as soon as the training thread's save is over; it writes nothing itself."""
-    import threading
-
-    from app.callbacks import RankWatchdog
-    from app.callbacks import rank_watchdog as module
-    from app.callbacks.heartbeat import Heartbeat
-
-    ended, lines, closed = threading.Event(), [], []
-    monkeypatch.setattr(RankWatchdog, "_end", lambda self: (ended.set(), _raise(Ended())))  # os._exit, in a test
-    monkeypatch.setattr(module, "_say", lines.append)
-    monkeypatch.setattr(Heartbeat, "close_connections", lambda self, ranks: closed.append(list(ranks)) or 2)
     watchdog = RankWatchdog(timeout=5, interval=0.25)
     watchdog._heartbeat = Heartbeat(None, rank=0, world_size=2, timeout=5, interval=0.25, prefix="test")
     watchdog._heartbeat.on_lost = watchdog._stop_process
     watchdog.expect_save()
 
-    def verdict() -> None:
-        with contextlib.suppress(Ended):
-            watchdog._heartbeat._judge([1], "rank 1 has not answered for 5 s")
+    def judge(reason: str) -> None:
+        def verdict() -> None:
+            with contextlib.suppress(Ended):
+                watchdog._heartbeat._judge([1], reason)
 
-    judge = threading.Thread(target=verdict)
+        threads.append(threading.Thread(target=verdict))
+        threads[-1].start()
+
+    yield watchdog, ended, lines, judge
+    for thread in threads:
+        thread.join(5)
+
+
+def test_a_lost_rank_verdict_waits_until_the_survivor_saved_its_state(watched):
+    """Under a restarting launcher the survivor's state is written when its next collective fails, which may come
+    seconds after the watchdog saw the peer's process gone (a long backward before the first bucket): the verdict
+    keeps the process alive until the Elastic callback says the save is over, then ends it (issue 34, item 4)."""
+    watchdog, ended, lines, judge = watched
+    judge("rank 1 (pid 7 on h) has exited")
+    assert watchdog._heartbeat.verdict.wait(5)  # judged at once (on_exception's wait is answered) ...
+    assert not ended.wait(1.0)  # ... but the process is not ended before the state is written
+    assert lines == ["error: [rank 0] lost rank 1: rank 1 (pid 7 on h) has exited. Saving this rank's state first"]
+    watchdog.save_over(reported=True)  # Elastic wrote last.ckpt and said so
+    assert ended.wait(5)
+    assert len(lines) == 1  # the callback's line says what comes next
+
+
+def test_a_verdict_shuts_the_lost_ranks_connections_down_and_waits_for_the_training_threads_save(watched, monkeypatch):
+    """A cut link: no collective fails by itself, the training thread waits in one for good. The verdict shuts this
+    process's connections to the lost rank down (tests/test_connections.py: the collective then fails at once), and
+    ends the process as soon as the training thread's save is over; it writes nothing itself."""
+    from app.callbacks.heartbeat import Heartbeat
+
+    watchdog, ended, lines, judge = watched
+    closed = []
+    monkeypatch.setattr(Heartbeat, "close_connections", lambda self, ranks: closed.append(list(ranks)) or 2)
     started = time.monotonic()
-    judge.start()
+    judge("rank 1 has not answered for 5 s")
     assert watchdog._heartbeat.verdict.wait(5)
     deadline = time.monotonic() + 5
     while not closed and time.monotonic() < deadline:
@@ -1226,7 +1224,6 @@ def test_a_verdict_shuts_the_lost_ranks_connections_down_and_waits_for_the_train
     assert lines == ["error: [rank 0] lost rank 1: rank 1 has not answered for 5 s. Saving this rank's state first"]
     watchdog.save_over(reported=True)  # the training thread's collective failed, Elastic wrote last.ckpt and said so
     assert ended.wait(5)
-    judge.join(5)
     assert len(lines) == 1  # the save's own line says what comes next
 
 
