@@ -185,10 +185,12 @@ class HorovodStrategy(ParallelStrategy):
         ranks = launcher_ranks()
         if ranks is None:
             if self.num_nodes > 1:
+                hosts = ",".join(f"node{i}:{self.num_processes}" for i in range(min(self.num_nodes, 3)))
+                hosts += ",..." if self.num_nodes > 3 else ""
                 raise UserError(
                     f"--trainer.strategy=horovod with --trainer.num_nodes={self.num_nodes} must be started on every "
-                    "node by a launcher: horovodrun -np 8 -H a:4,b:4 python cli.py fit ..."
-                    " or mpirun -np 8 -H a:4,b:4 ..."
+                    f"node by a launcher: mpirun -np {self.num_nodes * self.num_processes} -H {hosts} python cli.py "
+                    "fit ... (docs/multi-node.md)"
                 )
             self._check_adasum_world_size(self.num_processes)
             if self.max_restarts and self.num_processes == 1:
