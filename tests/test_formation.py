@@ -476,7 +476,11 @@ def test_a_rank_killed_while_the_group_forms_stops_the_others_within_seconds(cas
             assert wait_for(told, timeout=30), logs[survivor].read_text()[-3000:]
             processes[victim].send_signal(signal.SIGCONT)
             processes[victim].wait(timeout=30)
-        processes[survivor].wait(timeout=60)
+        try:
+            processes[survivor].wait(timeout=60)
+        except subprocess.TimeoutExpired:  # what it said, for the flakes table (seen once in a whole run)
+            said = logs[survivor].read_text()[-4000:]
+            pytest.fail(f"rank {survivor} still runs 60 s after rank {victim} was {case.split()[-1]}:\n{said}")
         ended = time.monotonic() - hit
         if case == "rank 1 woken late":  # rank 0 and its store are gone by now
             processes[victim].send_signal(signal.SIGCONT)
