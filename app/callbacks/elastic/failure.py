@@ -57,7 +57,7 @@ class SaveOnFailure:
         self.metrics = metrics  # which rows of metrics.csv a restart keeps, written beside the state
         self.last_step: tuple[int, dict] | None = None  # (global step, loops' state after it)
         self.step_row: dict | None = None  # the row the loop logs for the last step (step_row)
-        self.buffers: dict[str, torch.Tensor] = {}  # the module's buffers after the last step (step_buffers)
+        self.buffers: dict[str, torch.Tensor] = {}  # the module's buffers after the last step (_record_buffers)
         self.saving_loops: dict | None = None  # while saving: what on_save_checkpoint puts in the checkpoint
         self.saving_row: dict | None = None
         self.checkpointers_before_validation: dict | None = None
