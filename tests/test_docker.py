@@ -140,6 +140,7 @@ def _ci_run(
     stubs = {"id": f'[ "$1" = -u ] && echo {uid}', "make": make_stub}
     stubs |= {"ip": "exit 0", "iptables": "exit 0"}  # there: the two-node tests' install step has nothing to do
     stubs |= {"slurmctld": "exit 0", "munged": "exit 0"}  # there: nor has the SLURM tests'
+    stubs |= {"sshd": "exit 0"}  # nor the remote run root's (tests/test_storage.py)
     if container_tools:  # nor the container tests'
         stubs |= {"podman": "exit 0", "runc": "exit 0", "debootstrap": "exit 0"}
     if apt is not None:

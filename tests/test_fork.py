@@ -206,8 +206,15 @@ def test_each_kind_of_leak_planted_in_a_copy_is_caught(tmp_path, kind):
 
 
 # What a task may import from the template: the contract (app.task), the loader, the errors, the safe checkpoint
-# reader and whole-file writes (docs/fork.md)
-TASK_API = ("app.task", "app.loader", "app.errors", "app.checkpoints.io", "app.checkpoints.atomic")
+# reader, whole-file writes and paths on any storage (docs/fork.md)
+TASK_API = (
+    "app.task",
+    "app.loader",
+    "app.errors",
+    "app.checkpoints.io",
+    "app.checkpoints.atomic",
+    "app.checkpoints.storage",
+)
 
 
 def test_the_machinery_names_no_task_and_no_network():

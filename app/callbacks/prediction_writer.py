@@ -18,7 +18,6 @@ distributed sampler gave to two ranks (it pads the last batches so that every ra
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +29,7 @@ from typing_extensions import override
 
 from app.callbacks.progress import console_print
 from app.checkpoints.atomic import atomic_write
+from app.checkpoints.storage import run_path
 from app.task import class_names, predict_names
 
 LABEL_KEYS = ("label", "labels", "target", "targets", "y")
@@ -73,7 +73,7 @@ class PredictionWriter(BasePredictionWriter):
             return
         names = predict_names(pl_module, trainer.datamodule)
         header, table = prediction_rows(rows, names, class_names(pl_module, trainer.datamodule))
-        folder = Path(log_dir or ".")
+        folder = run_path(log_dir or ".")
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / self.filename
         with atomic_write(path, "w", newline="") as f:

@@ -46,6 +46,7 @@ from typing_extensions import override
 from app.callbacks.progress import console_print, live_bar_console
 from app.callbacks.stop_plan import stop_plan
 from app.callbacks.tracker_runs import end_tracker_runs
+from app.checkpoints.storage import run_path
 from app.errors import Preempted
 from app.launch.early_signals import catch_early_signals, take_early_signals
 from app.launch.launcher import SLURM_WARNING_SIGNAL, slurm_job
@@ -339,7 +340,7 @@ class Preemption(Callback):
         # every rank calls it; rank 0 writes, then all wait at a barrier
         trainer.save_checkpoint(path, weights_only=False)
         self._saved = True
-        return Path(path)
+        return run_path(path)
 
     @override
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:

@@ -44,6 +44,7 @@ from typing_extensions import override
 
 from app.callbacks.heartbeat import Heartbeat, rendezvous_store
 from app.callbacks.stop_plan import StopPlan, stop_plan
+from app.checkpoints.storage import run_path
 from app.errors import UserError
 from app.launch.formation import stop_process
 from app.launch.host_address import answers
@@ -151,7 +152,7 @@ class RankWatchdog(Callback):
         if save is not None and not save.is_set():
             lost = self._await_save(save, lost, me)
         folder = getattr(self._checkpointer, "dirpath", None)
-        advice = what_next(Path(folder) / "last.ckpt" if folder else None, cut_off=self.cut_off is not None)
+        advice = what_next(run_path(folder) / "last.ckpt" if folder else None, cut_off=self.cut_off is not None)
         _say(f"{lost} {self._stopping()}{self._no_signal_checkpoint()}. {advice}")
         self._end()
 

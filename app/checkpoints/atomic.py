@@ -5,6 +5,10 @@ Each writer writes a temporary file beside the target (hidden, a name of its own
 never share one) and renames it onto the target once it is complete and on disk; an error on the way removes the
 temporary file and leaves the target as it was. Checkpoints add a disk-full message and a survivor's announcement
 of its save: :func:`app.checkpoints.io.atomic_torch_save`.
+
+A target on a URL (:mod:`app.checkpoints.storage`) is written the same way: the file is made here, then uploaded
+beside the target under a temporary name and moved onto it (:func:`~app.checkpoints.storage.move_onto` says how
+atomic each kind of storage makes that move).
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
+
+from app.checkpoints.storage import is_local, move_onto, run_path
 
 
 def _umask() -> int:
@@ -31,7 +37,12 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None, private: boo
     ``suffix``: the temporary file's (default ``path``'s: some writers pick the format by it). ``private``: keep
     the temporary file's 0600 permissions (a file only this user may read); default: those a plain ``open`` gives.
     """
-    path = Path(path)
+    path = run_path(path)
+    if not is_local(path):
+        with tempfile.TemporaryDirectory() as local:
+            yield Path(local) / path.name
+            upload(Path(local) / path.name, path)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(
         dir=path.parent, prefix=f".{path.name}.", suffix=path.suffix if suffix is None else suffix
@@ -44,6 +55,19 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None, private: boo
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def upload(local: Path, target: Path) -> None:
+    """Copy a finished local file onto ``target`` on a URL: beside it under a hidden temporary name, then moved."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.parent / f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    try:
+        partial.fs.put_file(str(local), partial.path)
+        move_onto(partial, target)
+    except BaseException:
+        if partial.exists():
+            partial.unlink()
         raise
 
 

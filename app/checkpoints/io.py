@@ -39,6 +39,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
+from app.checkpoints.storage import is_local, move_onto, run_path
 from app.errors import UserError
 from app.task import spec_of
 
@@ -60,7 +61,9 @@ def atomic_torch_save(
 
     ``unless``: asked once the file is written, just before it replaces ``path``; when it says True, ``path`` is left
     as it is (the temporary file is removed, the announcement taken back) and the result is False."""
-    path = Path(path)
+    path = run_path(path)
+    if not is_local(path):
+        return _save_to_url(obj, path, unless)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     take_back = None
@@ -98,10 +101,35 @@ def atomic_torch_save(
     return True
 
 
+def _save_to_url(obj: Any, path: Path, unless: Callable[[], bool] | None) -> bool:
+    """:func:`atomic_torch_save` onto a URL: written beside the target under a hidden temporary name, then moved onto
+    it (:func:`~app.checkpoints.storage.move_onto`). No announcement: a survivor's save after a failure is read back
+    from a local run folder only."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.parent / f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+    try:
+        with partial.open("wb") as f:
+            torch.save(obj, f)
+        if unless is not None and unless():
+            partial.unlink()
+            return False
+        move_onto(partial, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if partial.exists():
+                partial.unlink()
+        raise
+    return True
+
+
 def saved_at_step(path: str | Path) -> int | None:
     """The ``global_step`` of the checkpoint at ``path`` (its tensors are mapped, not read); None when there is none
     or it cannot be read."""
     try:
+        path = run_path(path)
+        if not is_local(path):
+            with path.open("rb") as f:
+                return int(torch.load(f, map_location="cpu", weights_only=True)["global_step"])
         return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["global_step"])
     except Exception:  # noqa: BLE001 - a missing, partial or foreign file: nothing newer to keep
         return None
@@ -128,7 +156,7 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
                 "or add --allow_remote_ckpt=true (it is still loaded with weights_only=True)"
             )
         return torch.hub.load_state_dict_from_url(str(path), map_location=map_location, weights_only=True)
-    path = Path(path)
+    path = run_path(path)
     if path.is_dir():
         inside = sorted(path.rglob("*.ckpt"))
         example = inside[-1] if inside else path / "checkpoints" / "last.ckpt"
@@ -150,7 +178,11 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
     if head.startswith(b"PK"):
         check_archive(path)
     try:
-        loaded = torch.load(path, map_location=map_location, weights_only=True)
+        if is_local(path):
+            loaded = torch.load(path, map_location=map_location, weights_only=True)
+        else:
+            with path.open("rb") as f:
+                loaded = torch.load(f, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(err))
         raise UserError(
@@ -183,14 +215,19 @@ def check_archive(path: Path) -> None:
     silently; and a file cut short failed in torch with a paragraph of its own (cut mid-word here), or an
     ``OSError: Invalid argument``."""
     size = path.stat().st_size
-    try:
-        archive = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError, EOFError):
-        raise UserError(
-            f"{path}: truncated or damaged: the zip archive that torch.save writes ends without its directory "
-            f"({size} bytes; a copy, download or write that did not finish); pass another --ckpt_path, such as an "
-            "earlier epoch=N.ckpt beside it"
-        ) from None
+    with path.open("rb") as file:
+        try:
+            archive = zipfile.ZipFile(file)
+        except (zipfile.BadZipFile, OSError, EOFError):
+            raise UserError(
+                f"{path}: truncated or damaged: the zip archive that torch.save writes ends without its directory "
+                f"({size} bytes; a copy, download or write that did not finish); pass another --ckpt_path, such as "
+                "an earlier epoch=N.ckpt beside it"
+            ) from None
+        _check_records(archive, path)
+
+
+def _check_records(archive: zipfile.ZipFile, path: Path) -> None:
     with archive:
         for record in archive.infolist():
             if record.CRC == 0 and record.file_size:  # written with torch.serialization.set_crc32_options(False)

@@ -14,7 +14,6 @@ import csv
 import json
 import os
 import re
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.checkpoints.atomic import write_text
+from app.checkpoints.storage import is_local, move_onto, remove_tree, run_path
 from app.errors import UserError
 from app.launch.launcher import SlurmJob, TorchrunJob, is_first_process
 from app.launch.restarts import agent_of
@@ -49,7 +49,7 @@ def folder_logger_root(logger) -> Path | None:
     if not (isinstance(cls, type) and issubclass(cls, CSVLogger | TensorBoardLogger)):
         return None
     folder = init_args.get("name", "lightning_logs")
-    root = Path(init_args.get("save_dir") or ".") / (folder or "")
+    root = run_path(init_args.get("save_dir") or ".") / (folder or "")
     version = init_args.get("version")
     if version is not None and not earlier_run(root, version):
         return None  # a new folder of the user's naming
@@ -109,7 +109,9 @@ def claim(root: Path) -> int:
             try:
                 (root / f"version_{n}").mkdir()
                 return n
-            except FileExistsError:
+            except OSError:
+                if not (root / f"version_{n}").exists():  # an sftp server's mkdir fails without saying why
+                    raise
                 n += 1  # another run took it a moment ago
     except OSError as err:
         raise UserError(f"{root}: cannot create the run folder ({err.strerror or err}); {hint}") from None
@@ -120,15 +122,20 @@ _made: list[Path] = []  # the top folder check_writable made for this run: gone 
 
 def check_writable(folder: Path) -> None:
     """The run's output folder exists (made if needed) and takes a file, or one line naming it."""
-    folder = Path(folder)
+    folder = run_path(folder)
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--trainer.default_root_dir={folder}: is a file; pass a folder")
     missing = [path for path in (folder, *folder.parents) if not path.exists()]
     try:
         folder.mkdir(parents=True, exist_ok=True)
         _made[:] = missing[-1:]  # this run's only
-        with tempfile.TemporaryFile(dir=folder):
-            pass
+        if is_local(folder):
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        else:
+            probe = folder / f".probe.{os.getpid()}.{os.urandom(4).hex()}"
+            probe.write_bytes(b"")
+            probe.unlink()
     except OSError as err:
         raise UserError(
             f"--trainer.default_root_dir={folder}: cannot write there ({err.strerror or err}); pass a writable folder"
@@ -141,7 +148,7 @@ def release_made_folders() -> None:
     while _made:
         top = _made.pop()
         if top.is_dir() and not any(path.is_file() or path.is_symlink() for path in top.rglob("*")):
-            shutil.rmtree(top, ignore_errors=True)
+            remove_tree(top)
 
 
 def release_if_unused(folders: list[Path]) -> None:
@@ -149,9 +156,9 @@ def release_if_unused(folders: list[Path]) -> None:
     step 0; a folder with any metric of the task's, whatever its name, or any row past step 0 is kept."""
     for folder in folders:
         if folder.is_dir() and not _worth_keeping(folder):
-            shutil.rmtree(folder, ignore_errors=True)
+            remove_tree(folder)
             if folder.parent.is_dir() and not any(folder.parent.iterdir()):
-                folder.parent.rmdir()
+                remove_tree(folder.parent)
 
 
 def _worth_keeping(folder: Path) -> bool:
@@ -238,7 +245,7 @@ def keep_metrics_for_restart(folder: Path) -> None:
     exists holds every earlier row (it is written only after they were put back), so it replaces the kept copy."""
     metrics = folder / "metrics.csv"
     if metrics.is_file():
-        os.replace(metrics, folder / METRICS_BEFORE_RESTART)
+        move_onto(metrics, folder / METRICS_BEFORE_RESTART)
 
 
 def continue_run_folder(loggers: list, job: Job) -> tuple[dict[Path, int], str | None, str | None]:
@@ -273,5 +280,5 @@ def continue_run_folder(loggers: list, job: Job) -> tuple[dict[Path, int], str |
             keep_metrics_for_restart(folder)
         last = folder / "checkpoints" / "last.ckpt"
         if last.is_file() and ckpt is None:
-            ckpt = str(last.resolve())
+            ckpt = str(last.resolve() if is_local(last) else last)
     return continued, ckpt, config_name

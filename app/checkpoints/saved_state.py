@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from app.checkpoints.atomic import write_text
+from app.checkpoints.storage import run_path
 
 MPI_LAUNCH_DIR = "TEMPLATE_MPI_LAUNCH_DIR"  # the launcher's private folder, where survivors report their state
 SAVED_STATE = "saved-state"  # a survivor's report: the file ``saved-state-RANK`` names the checkpoint it saves
@@ -61,7 +62,7 @@ def saved_states(folder: Path) -> dict[int, str]:
     for report in folder.glob(f"{SAVED_STATE}-*"):
         try:
             entry = json.loads(report.read_text())
-            rank, path, pending = int(report.name.rsplit("-", 1)[1]), Path(entry["path"]), entry.get("pending")
+            rank, path, pending = int(report.name.rsplit("-", 1)[1]), run_path(entry["path"]), entry.get("pending")
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
         if pending is not None:

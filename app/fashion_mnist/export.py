@@ -48,6 +48,7 @@ from torch import nn
 from typing_extensions import override
 
 from app.checkpoints.atomic import atomic_path
+from app.checkpoints.storage import run_path
 from app.errors import UserError
 from app.fashion_mnist.data import CLASSES, MEAN, STD
 from app.fashion_mnist.model import check_weights_fit, load_checkpoint, network_state_dict, saved_network
@@ -62,12 +63,12 @@ METADATA = "fashion_resnet.json"  # the pt2 file's extra file with the export's 
 def default_out(ckpt_path: str | Path) -> Path:
     """``model.pt2`` in the run folder of ``ckpt_path`` (``version_0/checkpoints/last.ckpt``:
     ``version_0/model.pt2``), beside the checkpoint elsewhere: not in the folder the command runs from."""
-    folder = Path(ckpt_path).parent
+    folder = run_path(ckpt_path).parent
     return (folder.parent if folder.name == "checkpoints" else folder) / "model.pt2"
 
 
 def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> Path:
-    out = Path(out)
+    out = run_path(out)
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; give a file name such as {out / 'model.pt2'}")
     if out.suffix not in SUFFIXES:
@@ -88,7 +89,7 @@ def export(ckpt_path: str | Path, out: str | Path, overwrite: bool = False) -> P
         "metrics": checkpoint_metrics(checkpoint),
         "epoch": checkpoint.get("epoch"),
         "global_step": checkpoint.get("global_step"),
-        "checkpoint": str(Path(ckpt_path).resolve()),
+        "checkpoint": str(run_path(ckpt_path).resolve()),
         "git_commit": git_commit(),
     }
     net = build_resnet(**network)

@@ -36,6 +36,7 @@ from app.checkpoints.run_folders import (
     release_if_unused,
     release_made_folders,
 )
+from app.checkpoints.storage import run_path
 from app.errors import TemplateWarning, UserError
 from app.launch import startup
 from app.launch.formation import announce_failure, before_stopping
@@ -238,7 +239,7 @@ class CLI(CkptPathRule, LightningCLI):
         root = config.trainer.default_root_dir
         check_writable(root or Path.cwd())
         if self.subcommand == "fit" and config.trainer.logger in (False, []):
-            check_loggerless_root(Path(root or "."), config)
+            check_loggerless_root(run_path(root or "."), config)
 
     def _continue_run(self, config, loggers: list, restarting) -> dict[Path, int]:
         """A later start of a job that continues its run: the run folders it continues (empty for a first start), the

@@ -31,6 +31,7 @@ from app.callbacks import RankWatchdog
 from app.callbacks.stop_plan import in_order
 from app.checkpoints.io import SafeCheckpointIO
 from app.checkpoints.run_folders import claim_versions
+from app.checkpoints.storage import run_path
 from app.errors import UserError
 from app.launch import startup
 from app.run.loggers import TensorBoardLogger
@@ -98,7 +99,7 @@ def trainer_defaults(
 def last_checkpoint(default_root_dir: str | Path = ".") -> str | None:
     """The newest ``last.ckpt`` under the root, whatever run wrote it (``cli.py``'s ``--ckpt_path last`` prefers a
     run with the same settings), or None when there is none."""
-    root = Path(default_root_dir)
+    root = run_path(default_root_dir)
     found = newest_last_ckpt(root / "lightning_logs", root)
     return None if found is None else str(found)
 

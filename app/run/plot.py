@@ -25,6 +25,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from app.checkpoints.atomic import atomic_path
+from app.checkpoints.io import REMOTE_PREFIXES
+from app.checkpoints.storage import run_path
 from app.errors import UserError
 from app.task import TaskSpec, import_class, spec_of
 
@@ -33,7 +35,7 @@ SPEED = ("images/s (training)", ("perf/images_per_s",))  # what the run report l
 
 def _read_rows(metrics_csv: Path) -> list[dict[str, str]]:
     try:
-        with open(metrics_csv, newline="", encoding="utf-8") as f:
+        with metrics_csv.open(newline="", encoding="utf-8") as f:
             return list(csv.DictReader(f))
     except (UnicodeDecodeError, csv.Error) as err:
         raise UserError(f"{metrics_csv}: not a metrics.csv written by a run ({err})") from None
@@ -61,10 +63,10 @@ def run_chain(run_dir: Path) -> list[Path]:
         except (OSError, yaml.YAMLError, UnicodeDecodeError):
             break
         ckpt = config.get("ckpt_path") if isinstance(config, dict) else None
-        if not isinstance(ckpt, str) or "://" in ckpt:
+        if not isinstance(ckpt, str) or ckpt.startswith(REMOTE_PREFIXES):
             break
-        earlier = Path(ckpt).parent.parent
-        if Path(ckpt).parent.name != "checkpoints" or not (earlier / "metrics.csv").is_file() or earlier in chain:
+        earlier = run_path(ckpt).parent.parent
+        if run_path(ckpt).parent.name != "checkpoints" or not (earlier / "metrics.csv").is_file() or earlier in chain:
             break
         chain.insert(0, earlier)
     return chain
@@ -204,12 +206,12 @@ def _tested_checkpoint(folder: Path, run_dir: Path) -> Path | None:
     if not (folder / "config.yaml").is_file() or not (folder / "metrics.csv").is_file():
         return None
     ckpt = _yaml_of(folder / "config.yaml").get("ckpt_path")
-    if not isinstance(ckpt, str) or Path(ckpt).parent.name != "checkpoints":
+    if not isinstance(ckpt, str) or run_path(ckpt).parent.name != "checkpoints":
         return None
-    owner = Path(ckpt).parent.parent
+    owner = run_path(ckpt).parent.parent
     if owner.is_absolute() and owner.resolve() != run_dir.resolve() or owner.name != run_dir.name:
         return None
-    return Path(ckpt)
+    return run_path(ckpt)
 
 
 def _yaml_of(path: Path) -> dict:
@@ -251,8 +253,8 @@ def _refuse_a_test_run(run_dir: Path) -> None:
     if not names or not all(name.startswith("test/") for name in names):
         return
     ckpt = _yaml_of(run_dir / "config.yaml").get("ckpt_path")
-    if isinstance(ckpt, str) and Path(ckpt).parent.name == "checkpoints":
-        owner = Path(ckpt).parent.parent
+    if isinstance(ckpt, str) and run_path(ckpt).parent.name == "checkpoints":
+        owner = run_path(ckpt).parent.parent
         raise UserError(
             f"{run_dir} holds a `cli.py test` of {ckpt}, not a training run: plot the run that trained it, "
             f"`cli.py plot {owner}` (its figure marks this score)"
@@ -263,7 +265,7 @@ def _refuse_a_test_run(run_dir: Path) -> None:
 def figure(run_dir: str | Path, model: str | type | None = None):
     """The run's figure (a matplotlib ``Figure``): the task's panels (``model``: the default task's class, for a run
     whose config names none) and the speed, titled with its data."""
-    run_dir = Path(run_dir)
+    run_dir = run_path(run_dir)
     metrics_csv = run_dir / "metrics.csv"
     if not metrics_csv.is_file():
         raise UserError(f"{metrics_csv}: not found; give a run folder such as lightning_logs/version_0")
@@ -324,7 +326,7 @@ def draw_panel(ax, title: str, names: tuple[str, ...], run_dir: Path, series: di
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None, model: str | type | None = None) -> Path:
     """Draw :func:`figure` into ``out`` (default ``RUN_DIR/plot.png``), atomically; returns the path written."""
-    out = Path(out) if out else Path(run_dir) / "plot.png"
+    out = run_path(out) if out else run_path(run_dir) / "plot.png"
     if out.is_dir():
         raise UserError(f"--out {out} is a folder; give a file name such as {out / 'plot.png'}")
     fig = figure(run_dir, model)

@@ -4,6 +4,7 @@ arguments over its restored state), and when a resume has nothing left to train.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -13,6 +14,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from app.checkpoints.io import check_compatible, load_checkpoint, saved_class
 from app.checkpoints.run_folders import folder_logger_root
+from app.checkpoints.storage import is_url, run_path
 from app.errors import UserError
 from app.launch.launcher import torchrun_job
 from app.launch.slurm import requeueable_job
@@ -41,14 +43,14 @@ def log_root(trainer) -> Path:
     """The folder that holds the runs' ``version_N`` folders (``lightning_logs`` by default)."""
     logger = trainer.loggers[0] if trainer.loggers else None
     if logger is not None and getattr(logger, "root_dir", None):
-        return Path(logger.root_dir)
-    return Path(trainer.default_root_dir) / "lightning_logs"
+        return run_path(logger.root_dir)
+    return run_path(trainer.default_root_dir) / "lightning_logs"
 
 
 def find_last_checkpoint(trainer) -> Path | None:
     """The newest ``last.ckpt`` of any earlier run (each run logs to its own ``version_N``), or None."""
-    folders = [Path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
-    return newest_last_ckpt(log_root(trainer), Path(trainer.default_root_dir), folders)
+    folders = [run_path(c.dirpath) for c in trainer.checkpoint_callbacks if getattr(c, "dirpath", None)]
+    return newest_last_ckpt(log_root(trainer), run_path(trainer.default_root_dir), folders)
 
 
 def newest_last_ckpt(runs_root: Path, default_root: Path, folders: list[Path] = ()) -> Path | None:
@@ -61,7 +63,14 @@ def last_ckpts(runs_root: Path, default_root: Path, folders: list[Path] = ()) ->
     candidates += list((default_root / "checkpoints").glob("last.ckpt"))  # runs without a logger
     for folder in folders:  # ModelCheckpoints with an explicit folder
         candidates += list(folder.glob("last.ckpt"))
-    return sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True)
+    return sorted(candidates, key=newness, reverse=True)
+
+
+def newness(last: Path) -> tuple[float, int]:
+    """A ``last.ckpt``'s time of writing, then its run's version number (storage that keeps no times, such as
+    fsspec's ``memory://``, orders by version)."""
+    version = re.fullmatch(r"version_(\d+)", last.parent.parent.name)
+    return last.stat().st_mtime, int(version[1]) if version else -1
 
 
 # Settings a run sets for itself, left out when its config.yaml is compared with a command: the checkpoint it
@@ -133,9 +142,9 @@ def latest_continuation(last: Path, candidates: list[Path]) -> Path:
         later = [
             c
             for c in candidates
-            if c.stat().st_mtime > last.stat().st_mtime
+            if newness(c) > newness(last)
             and isinstance(resumed := (run_settings(c) or {}).get("ckpt_path"), str)
-            and Path(resumed).resolve().parent == folder
+            and run_path(resumed).resolve().parent == folder
         ]
         if not later:
             return last
@@ -167,7 +176,7 @@ def resolve_last_or_best(
 ) -> str | None:
     """``--ckpt_path last``/``best`` from the parsed config, before anything is built (None: no such file yet): of
     the newest run with this command's settings (``command``: what its config.yaml will say), else the newest run."""
-    root = Path(config.trainer.default_root_dir or ".")
+    root = run_path(config.trainer.default_root_dir or ".")
     loggers = config.trainer.logger if isinstance(config.trainer.logger, list) else [config.trainer.logger]
     runs_root = root / "lightning_logs"
     for logger in loggers:
@@ -222,8 +231,8 @@ def best_checkpoint_of(last: Path, load=load_checkpoint) -> Path | None:
     states = load(str(last)).get("callbacks", {})
     for key, state in states.items():
         best = state.get("best_model_path") if key.startswith("ModelCheckpoint") else None
-        if best and Path(best).is_file():
-            return Path(best)
+        if best and run_path(best).is_file():
+            return run_path(best)
         if best and (last.parent / Path(best).name).is_file():  # the run folder was moved
             return last.parent / Path(best).name
     return None
@@ -336,7 +345,7 @@ class CkptPathRule:
             return None
 
     def _load(self, ckpt_path, allow_remote: bool = False) -> dict:
-        key = str(ckpt_path) if "://" in str(ckpt_path) else str(Path(ckpt_path).resolve())
+        key = str(ckpt_path) if is_url(ckpt_path) else str(Path(ckpt_path).resolve())
         if key not in self._loaded:
             self._loaded[key] = load_checkpoint(ckpt_path, allow_remote=allow_remote)
         return self._loaded[key]
@@ -382,7 +391,7 @@ class CkptPathRule:
         if self.subcommand == "fit":
             nothing_left_to_train(checkpoint, ckpt_path, self.trainer)
         self._say_resuming(ckpt_path, given, checkpoint.get("global_step", "?"))
-        if "://" not in str(ckpt_path):
+        if not is_url(ckpt_path):
             ckpt_path = str(Path(ckpt_path).resolve())
         config["ckpt_path"] = self.config[self.subcommand]["ckpt_path"] = ckpt_path
 
@@ -390,7 +399,7 @@ class CkptPathRule:
         """The file ``--ckpt_path last`` or ``best`` names: the one whose settings the parsed config took (one
         resolution), else one of a ModelCheckpoint's own folder, which only the trainer knows. None where fit starts
         fresh; an error where nothing can be done without one."""
-        found = Path(self._resolved) if self._resolved else find_last_checkpoint(self.trainer)
+        found = run_path(self._resolved) if self._resolved else find_last_checkpoint(self.trainer)
         if found is not None and given == "best" and not self._resolved:
             found = best_checkpoint_of(found, self._load)
         if found is None:

@@ -19,7 +19,6 @@ import copy
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import torch
 
@@ -29,6 +28,7 @@ from app.callbacks.rank_watchdog import REJOIN
 from app.callbacks.stop_plan import stop_plan
 from app.checkpoints.io import SafeCheckpointIO, saved_at_step
 from app.checkpoints.saved_state import report_saved_state, saved_state_announcer
+from app.checkpoints.storage import run_path
 from app.errors import UserError
 from app.launch.restarts import restart_after_failure, restarts_left
 from app.lightning_internals import (
@@ -147,7 +147,7 @@ class SaveOnFailure:
         for state in self.checkpointers_before_validation.values():
             known |= {*state.get("best_k_models", {}), state.get("best_model_path"), state.get("last_model_path")}
         for callback in trainer.checkpoint_callbacks:
-            folder = Path(callback.dirpath) if getattr(callback, "dirpath", None) else None
+            folder = run_path(callback.dirpath) if getattr(callback, "dirpath", None) else None
             for path in folder.glob("*.ckpt") if folder and folder.is_dir() else ():
                 if path.name.startswith("last") or str(path) in known:
                     continue
@@ -200,7 +200,7 @@ def say_nothing_saved(trainer, step: int, exception: BaseException) -> None:
     """fsdp, pipeline: no rank holds the whole state, and the lost one's part is gone with it; the restart goes on
     from the last checkpoint on disk, as a resume would."""
     written = trainer.checkpoint_callback.last_model_path
-    since = f"the last checkpoint written ({written})" if written and Path(written).is_file() else "the start"
+    since = f"the last checkpoint written ({written})" if written and run_path(written).is_file() else "the start"
     part = "a stage's layers" if parallelism(trainer.strategy).stages > 1 else "a shard"
     failure = f"{type(exception).__name__} after step {step}"
     say(

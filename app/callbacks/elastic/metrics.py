@@ -15,6 +15,7 @@ from lightning.pytorch.loggers import CSVLogger
 
 from app.checkpoints.atomic import write_text
 from app.checkpoints.run_folders import METRICS_BEFORE_RESTART
+from app.checkpoints.storage import run_path
 
 METRICS_ROWS_TO_KEEP = "metrics.rows-to-keep"
 
@@ -23,7 +24,7 @@ def keep_metrics_rows(folders: list[Path], rows: int) -> None:
     """A survivor, failing: the restart puts only the first ``rows`` rows of the ``metrics.csv`` in each of
     ``folders`` (rank 0's CSV run folders) back; survivors write the same number."""
     for folder in folders:
-        write_text(Path(folder) / METRICS_ROWS_TO_KEEP, f"{rows}\n")
+        write_text(run_path(folder) / METRICS_ROWS_TO_KEEP, f"{rows}\n")
 
 
 class MetricsContinuation:
@@ -66,7 +67,7 @@ class MetricsContinuation:
             restored_rows, folders = trainer.strategy.broadcast((restored_rows, folders), src=0)
             if not trainer.is_global_zero:
                 self.rows += restored_rows
-        self.folders = [Path(folder) for folder in folders]
+        self.folders = [run_path(folder) for folder in folders]
 
     def _continue_metrics(self, trainer, restored: dict | None) -> int:
         """Rank 0: the earlier rows back in front of the new ones; returns how many rows were put back."""
@@ -74,8 +75,8 @@ class MetricsContinuation:
         for logger in trainer.loggers:
             if not isinstance(logger, CSVLogger):
                 continue
-            kept = Path(logger.log_dir) / METRICS_BEFORE_RESTART
-            rows = _rows_before_restart(kept, Path(logger.log_dir) / METRICS_ROWS_TO_KEEP)
+            kept = run_path(logger.log_dir) / METRICS_BEFORE_RESTART
+            rows = _rows_before_restart(kept, run_path(logger.log_dir) / METRICS_ROWS_TO_KEEP)
             missing = (restored or {}).get("step_row")  # rank 0 died before logging the last step's row
             if missing and any(int(r["step"]) == missing["step"] and r.get(k) for r in rows for k in missing["values"]):
                 missing = None  # it was logged

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import re
 import warnings
-from pathlib import Path
 
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.checkpoints.atomic import write_text
+from app.checkpoints.storage import run_path
 from app.errors import TemplateWarning, UserError
 from app.launch.restarts import is_restart
 from app.lightning_internals import batch_count, shift_batch_count
@@ -203,7 +203,7 @@ class WorldSizeChange:
         for callback in trainer.callbacks:
             if not isinstance(callback, SaveConfigCallback) or not callback.save_to_log_dir or log_dir is None:
                 continue
-            path = Path(log_dir) / callback.config_filename
+            path = run_path(log_dir) / callback.config_filename
             if not path.is_file():
                 continue
             text = re.sub(

@@ -32,6 +32,7 @@ from app.checkpoints.atomic import atomic_write
 from app.checkpoints.generators import generator_states
 from app.checkpoints.run_folders import keep_metrics_for_restart
 from app.checkpoints.saved_state import MPI_LAUNCH_DIR, SAVED_STATE, saved_states
+from app.checkpoints.storage import run_path
 from app.errors import Diverged, Preempted, UserError
 from app.launch.launcher import MPI_RESTART, MPI_RESTARTS_LEFT, launcher_ranks, mpi_job_id, rendezvous_address
 from app.launch.signals import HUNG, StopSignals, process_alive
@@ -315,7 +316,7 @@ class MPIRunLauncher(ResultsLauncher):
         strategy.parallel_devices = [devices[rank] for rank in survivors]  # a lost rank's device is left out
         for logger in trainer.loggers:
             if isinstance(logger, CSVLogger):
-                keep_metrics_for_restart(Path(logger.log_dir))  # its rows go back in front of the new ones
+                keep_metrics_for_restart(run_path(logger.log_dir))  # its rows go back in front of the new ones
         for callback in trainer.callbacks:
             if isinstance(callback, SaveConfigCallback):  # config.yaml stays the first start's
                 callback.config_filename, callback.overwrite = f"config.restart{restart}.yaml", True
