@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,64 @@ def test_an_fsdp_run_stopped_mid_epoch_resumes_exactly_on_one_device(fsdp_unbrok
     resumed = last(root, 1)
     assert resumed["global_step"] == fsdp_unbroken["checkpoint"]["global_step"]
     assert relative_error(resumed, fsdp_unbroken["checkpoint"]) < TOLERANCE
+
+
+def consolidated(root: Path, version: int, cwd: Path) -> dict:
+    """``cli.py consolidate`` of a run's sharded last.ckpt: the file it writes, loaded."""
+    folder = root / "lightning_logs" / f"version_{version}" / "checkpoints"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), "consolidate", str(folder / "last.ckpt")],
+        cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return torch.load(folder / "last.full.ckpt", weights_only=True)
+
+
+@pytest.mark.slow
+def test_an_fsdp_sharded_checkpoint_is_each_ranks_pieces_resumes_at_2_and_1_ranks_and_consolidates(
+    fsdp_unbroken, tmp_path
+):
+    """``--trainer.strategy.checkpoint=sharded``: last.ckpt is a folder that both ranks wrote their pieces into
+    (torch.distributed.checkpoint), with no file holding every parameter; stopped by SIGTERM mid-epoch, it resumes
+    at 2 ranks to the unbroken run's weights bitwise and at 1 rank within the float64 tolerance, and the file
+    ``cli.py consolidate`` makes of it predicts under ddp as the folder does under fsdp."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root, sharded = tmp_path / "runs", ("--trainer.strategy=fsdp", "--trainer.strategy.checkpoint=sharded")
+    stop = {"class_path": "tests.signal_at_step.SignalAtStep", "init_args": {"step": 3, "rank": 1}}
+    output = fit(root, tmp_path, *sharded, "--trainer.devices=2", "--trainer.callbacks+=" + json.dumps(stop))
+    held = int(re.search(r"SIGTERM: stopped after step (\d+) \(epoch 0\)", output)[1])
+    stopped = root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert stopped.is_dir() and {"__0_0.distcp", "__1_0.distcp", "meta.pt"} <= {p.name for p in stopped.iterdir()}
+    index = FileSystemReader(str(stopped)).read_metadata()
+    parameters = [key for key in index.state_dict_metadata if key.startswith("state_dict.") and "norm" not in key]
+    chunks = [where for where in index.storage_data if where.fqn in parameters]
+    files = {index.storage_data[chunk].relative_path for chunk in chunks}
+    assert len(files) == 2  # one per rank
+    for file in files:  # and each misses the other rank's pieces: no file holds every parameter
+        assert any(index.storage_data[chunk].relative_path != file for chunk in chunks), file
+
+    output = fit(root, tmp_path, *sharded, "--trainer.devices=2", "--ckpt_path=last")
+    assert f"resuming from {stopped} (step {held})" in output, output[-3000:]
+    unbroken = fsdp_unbroken["checkpoint"]
+    again = consolidated(root, 1, tmp_path)
+    assert again["global_step"] == unbroken["global_step"]
+    differ = [k for k in unbroken["state_dict"] if not torch.equal(again["state_dict"][k], unbroken["state_dict"][k])]
+    assert not differ, differ
+
+    output = fit(root, tmp_path, *sharded, "--trainer.devices=1", f"--ckpt_path={stopped}")
+    assert "2 -> 1 devices: accumulate_grad_batches 1 -> 2 keeps the global batch" in output, output[-3000:]
+    on_one = consolidated(root, 2, tmp_path)
+    assert on_one["global_step"] == unbroken["global_step"]
+    assert relative_error(on_one, unbroken) < TOLERANCE
+
+    full = root / "lightning_logs" / "version_1" / "checkpoints" / "last.full.ckpt"
+    fit(tmp_path / "1", tmp_path, *sharded, "--trainer.devices=2", f"--ckpt_path={full.with_name('last.ckpt')}",
+        subcommand="predict")  # fmt: skip
+    fit(tmp_path / "2", tmp_path, "--trainer.strategy=ddp", "--trainer.devices=2", f"--ckpt_path={full}",
+        subcommand="predict")  # fmt: skip
+    predictions = [(tmp_path / p / "lightning_logs" / "version_0" / "predictions.csv").read_text() for p in "12"]
+    assert predictions[0] == predictions[1] and predictions[0].count("\n") > 1
 
 
 @pytest.mark.slow
@@ -531,3 +590,45 @@ def test_a_pipeline_run_says_which_layers_each_stage_holds_and_its_first_stage_r
     assert output.count(line + "parameters)") == 1, output[-3000:]
     calls = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text())["training_step"] for rank in (0, 1)}
     assert calls == {0: 2 * 4 * 8, 1: 4 * 8}
+
+
+def test_a_sharded_checkpoint_is_read_for_the_runs_checks_refused_where_it_cannot_load_and_consolidated(tmp_path):
+    """A sharded checkpoint made in this process (DCP without a process group, as one rank writes it): the run's
+    checks read its weights' shapes and settings without loading a tensor; a strategy that cannot load it says so in
+    one line naming the flags and ``cli.py consolidate``, which makes the whole file of it and refuses a file."""
+    import torch.distributed.checkpoint as dcp
+
+    from app.checkpoints.io import check_weights_fit, load_checkpoint, safe_torch_load
+    from app.checkpoints.sharded import META, main
+    from tests.tiny import TinyClassifier
+
+    model = TinyClassifier()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, *model.example_input_array.shape[1:])).sum().backward()
+    optimizer.step()
+    folder = tmp_path / "last.ckpt"
+    names = [name for name, _ in model.named_parameters()]
+    by_name = {"state": {names[i]: s for i, s in optimizer.state_dict()["state"].items()}, "param_groups": [
+        {**g, "params": [names[i] for i in g["params"]]} for g in optimizer.state_dict()["param_groups"]]}  # fmt: skip
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...: assuming ... a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"state_dict": model.state_dict(), "optimizer_states": {"0": by_name}}, checkpoint_id=folder)
+    torch.save({"global_step": 7, "hyper_parameters": {}, "optimizer_count": 1}, folder / META)
+
+    read = load_checkpoint(folder, shapes=True)
+    assert read["global_step"] == 7 and all(t.is_meta for t in read["state_dict"].values())
+    check_weights_fit(read["state_dict"], model.state_dict(), folder)  # the shapes fit this network
+    for loads in (safe_torch_load, load_checkpoint):  # a strategy's load, export's, load_network's
+        with pytest.raises(UserError, match=r"an fsdp sharded checkpoint .*strategy.checkpoint=sharded.*consolidate"):
+            loads(folder)
+
+    main([str(folder)])
+    full = torch.load(tmp_path / "last.full.ckpt", weights_only=True)
+    assert all(torch.equal(full["state_dict"][k], v) for k, v in model.state_dict().items())
+    assert full["optimizer_states"][0]["param_groups"] == optimizer.state_dict()["param_groups"]
+    for i, state in optimizer.state_dict()["state"].items():
+        assert torch.equal(full["optimizer_states"][0]["state"][i]["momentum_buffer"], state["momentum_buffer"])
+    with pytest.raises(UserError, match="not a sharded checkpoint"):
+        main([str(tmp_path / "last.full.ckpt")])
+    with pytest.raises(UserError, match="already exists"):
+        main([str(folder)])

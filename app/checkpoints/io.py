@@ -157,6 +157,10 @@ def safe_torch_load(path: str | Path, allow_remote: bool = False, map_location: 
             )
         return torch.hub.load_state_dict_from_url(str(path), map_location=map_location, weights_only=True)
     path = run_path(path)
+    if path.is_dir() and (path / ".metadata").is_file():
+        from app.checkpoints.sharded import not_loaded_here
+
+        raise not_loaded_here(path)
     if path.is_dir():
         inside = sorted(path.rglob("*.ckpt"))
         example = inside[-1] if inside else path / "checkpoints" / "last.ckpt"
@@ -301,8 +305,16 @@ def checkpoint_format(checkpoint: dict[str, Any]) -> int:
     return 1
 
 
-def load_checkpoint(ckpt_path: str | Path, allow_remote: bool = False) -> dict[str, Any]:
-    """A Lightning checkpoint, loaded safely (``weights_only``: plain data, nothing executed)."""
+def load_checkpoint(ckpt_path: str | Path, allow_remote: bool = False, shapes: bool = False) -> dict[str, Any]:
+    """A Lightning checkpoint, loaded safely (``weights_only``: plain data, nothing executed). ``shapes``: for the
+    run's checks, an fsdp sharded checkpoint (a folder) is read without its tensors (its weights as shapes on the
+    meta device, and everything else); without it, such a folder is refused in one line."""
+    from app.checkpoints.sharded import is_sharded_checkpoint, not_loaded_here, read_sharded
+
+    if is_sharded_checkpoint(ckpt_path):
+        if not shapes:
+            raise not_loaded_here(ckpt_path)
+        return read_sharded(ckpt_path)
     checkpoint = safe_torch_load(ckpt_path, allow_remote=allow_remote)
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise UserError(f"{ckpt_path}: not a checkpoint written by `cli.py fit` (no state_dict)")

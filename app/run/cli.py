@@ -87,7 +87,10 @@ from app.task import spec_of
 
 # Subcommands that are not Lightning's: name -> (module with a main(argv), what --help says of it). The machinery's
 # own; cli.py adds its task's (the example's export) through main(tools=...).
-TOOLS = {"plot": ("app.run.plot", "'cli.py plot lightning_logs/version_N' draws a run's curves to a PNG")}
+TOOLS = {
+    "plot": ("app.run.plot", "'cli.py plot lightning_logs/version_N' draws a run's curves to a PNG"),
+    "consolidate": ("app.checkpoints.sharded", "'cli.py consolidate CKPT' makes one file of fsdp's sharded checkpoint"),
+}
 
 
 def tools_epilog(tools: dict[str, tuple[str, str]]) -> str:

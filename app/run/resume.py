@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import warnings
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -172,7 +173,7 @@ def check_loggerless_root(root: Path, config) -> None:
 
 
 def resolve_last_or_best(
-    which: str, config, load=load_checkpoint, command: dict | None = None, folder: str | None = None
+    which: str, config, load=None, command: dict | None = None, folder: str | None = None
 ) -> str | None:
     """``--ckpt_path last``/``best`` from the parsed config, before anything is built (None: no such file yet): of
     the newest run with this command's settings (``command``: what its config.yaml will say), else the newest run."""
@@ -226,9 +227,9 @@ def optimizer_overrides(given: dict, saved: dict | None, ckpt_path) -> dict:
     return {k: v for k, v in given_args.items() if k not in saved_args or saved_args[k] != v}
 
 
-def best_checkpoint_of(last: Path, load=load_checkpoint) -> Path | None:
+def best_checkpoint_of(last: Path, load=None) -> Path | None:
     """The best checkpoint that the run which wrote ``last`` kept (its ModelCheckpoint's state says which)."""
-    states = load(str(last)).get("callbacks", {})
+    states = (load or partial(load_checkpoint, shapes=True))(str(last)).get("callbacks", {})
     for key, state in states.items():
         best = state.get("best_model_path") if key.startswith("ModelCheckpoint") else None
         if best and run_path(best).is_file():
@@ -347,7 +348,7 @@ class CkptPathRule:
     def _load(self, ckpt_path, allow_remote: bool = False) -> dict:
         key = str(ckpt_path) if is_url(ckpt_path) else str(Path(ckpt_path).resolve())
         if key not in self._loaded:
-            self._loaded[key] = load_checkpoint(ckpt_path, allow_remote=allow_remote)
+            self._loaded[key] = load_checkpoint(ckpt_path, allow_remote=allow_remote, shapes=True)
         return self._loaded[key]
 
     def _explicit_model_settings(self, subcommand: str) -> dict:

@@ -43,6 +43,14 @@ from torch.distributed import default_pg_timeout
 from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
+from app.checkpoints.sharded import (
+    by_index,
+    by_name,
+    is_sharded_checkpoint,
+    load_sharded,
+    not_loaded_here,
+    save_sharded,
+)
 from app.errors import UserError
 from app.lightning_internals import free_strategy_name
 from app.strategies.model_parallel import SplitModelStrategy
@@ -94,6 +102,7 @@ class FSDPStrategy(SplitModelStrategy):
         reshard_after_forward: bool = True,
         param_dtype: DType | None = None,
         reduce_dtype: DType | None = None,
+        checkpoint: Literal["full", "sharded"] = "full",
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -112,6 +121,9 @@ class FSDPStrategy(SplitModelStrategy):
             param_dtype: The dtype units compute in (default: bfloat16 under ``--trainer.precision=bf16-mixed``,
                 else the parameters' own).
             reduce_dtype: The dtype gradients are reduce-scattered in (default: ``param_dtype``).
+            checkpoint: ``full``: one state dict, gathered on rank 0, in one file (loads anywhere); ``sharded``: a
+                folder that every rank writes its pieces into, with no rank holding the whole model, loadable at any
+                number of ranks (app/checkpoints/sharded.py; ``cli.py consolidate`` makes one file of it).
             process_group_backend: ``gloo``, ``nccl`` (default: nccl on GPUs, gloo on CPU).
             timeout: The process group's timeout: a collective waiting longer for a lost peer fails.
         """
@@ -125,6 +137,9 @@ class FSDPStrategy(SplitModelStrategy):
         self.blocks = tuple(blocks) if blocks else ()
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        if checkpoint not in ("full", "sharded"):
+            raise UserError(f"--trainer.strategy.checkpoint={checkpoint}: use full or sharded")
+        self.checkpoint = checkpoint
         self.units: list[str] = []  # the sharded modules' paths, in the order they were wrapped
 
     # ---------------------------------------------------------------- shard the model
@@ -201,13 +216,21 @@ class FSDPStrategy(SplitModelStrategy):
         """Whether the model is sharded yet (a rank holds 1/N of it): from set-up on."""
         return self.model is not None and _is_sharded(self.model)
 
-    # ---------------------------------------------------------------- one full state dict in every checkpoint
+    # ---------------------------------------------------------------- checkpoints: one full state dict, or shards
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self.sharded:
             return super().lightning_module_state_dict()
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        if self.checkpoint == "sharded":
+            from torch.distributed.tensor import DTensor
+
+            state = get_model_state_dict(self.model)  # each rank its own pieces (DTensors)
+            if self.is_global_zero:
+                return state
+            # and rank 0's buffers (BatchNorm's statistics), as in a full checkpoint: FSDP keeps each rank's own
+            return {name: value for name, value in state.items() if isinstance(value, DTensor)}
         # every rank takes part in the gathering; rank 0 gets the full tensors, on the CPU, the others nothing
         return get_model_state_dict(self.model, options=_full_state())
 
@@ -218,11 +241,49 @@ class FSDPStrategy(SplitModelStrategy):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer's
+        if self.checkpoint == "sharded":
+            return get_optimizer_state_dict(self.model, optimizer)
         state = get_optimizer_state_dict(self.model, optimizer, options=_full_state())
-        return _by_index(state) if self.is_global_zero else {}
+        return by_index(state) if self.is_global_zero else {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
+        if self.checkpoint == "sharded" and self.sharded:
+            return save_sharded(self, checkpoint, filepath)  # every rank writes its pieces
+        return super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return self.checkpoint == "sharded"  # the shards are loaded into the sharded model
+
+    @override
+    def load_checkpoint(self, checkpoint_path, weights_only: bool | None = None) -> dict[str, Any]:
+        if not is_sharded_checkpoint(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if not self.sharded:
+            raise not_loaded_here(checkpoint_path)
+        optimizers = [getattr(optimizer, "_optimizer", optimizer) for optimizer in self.optimizers]  # torch's own
+        return {**load_sharded(checkpoint_path, self.model, optimizers), _LOADED: True}
+
+    @override
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if checkpoint.get(_LOADED):
+            return None  # loaded with the shards
+        if not self.sharded:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # a full checkpoint into a sharded model (--trainer.strategy.checkpoint=sharded restores after the split)
+        set_model_state_dict(
+            self.model, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
+        return None
 
     @override
     def load_optimizer_state_dict(self, checkpoint) -> None:
+        if checkpoint.get(_LOADED):
+            return None
         if not self.sharded:
             return super().load_optimizer_state_dict(checkpoint)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
@@ -232,7 +293,7 @@ class FSDPStrategy(SplitModelStrategy):
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
             set_optimizer_state_dict(
-                self.model, optimizer, _by_name(state, order), options=StateDictOptions(full_state_dict=True)
+                self.model, optimizer, by_name(state, order), options=StateDictOptions(full_state_dict=True)
             )
         return None
 
@@ -249,27 +310,4 @@ def _full_state():
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def _by_index(state: dict) -> dict:
-    """torch.distributed.checkpoint names parameters by path; ``optimizer.state_dict()`` numbers them in the order
-    of its param groups. The numbered form is what every other strategy saves and loads."""
-    index: dict[str, int] = {}
-    for group in state["param_groups"]:
-        for name in group["params"]:
-            index.setdefault(name, len(index))
-    return {
-        "state": {index[name]: value for name, value in state["state"].items()},
-        "param_groups": [{**group, "params": [index[n] for n in group["params"]]} for group in state["param_groups"]],
-    }
-
-
-def _by_name(state: dict, order: list[str]) -> dict:
-    """The numbered form back into paths, by this optimizer's own order of parameters."""
-    if sum(len(g["params"]) for g in state["param_groups"]) != len(order):
-        raise UserError(
-            f"the checkpoint's optimizer state holds {sum(len(g['params']) for g in state['param_groups'])} "
-            f"parameters, this model's optimizer {len(order)}: resume with the optimizer that wrote it"
-        )
-    return {
-        "state": {order[i]: value for i, value in state["state"].items()},
-        "param_groups": [{**group, "params": [order[i] for i in group["params"]]} for group in state["param_groups"]],
-    }
+_LOADED = "template_loaded_from_shards"  # a checkpoint whose weights and optimizer state load_checkpoint set
