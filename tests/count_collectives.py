@@ -1,8 +1,13 @@
-"""A test-only callback: the collectives of one training step on each rank, from one batch's start to the next's.
+"""A test-only callback: the collectives of some training steps on each rank, from one batch's start to a later one's.
 
-Two records, written to ``folder/rank<N>.json``: every gloo operation the step ran (torch.profiler's ``gloo:*``
+Two records, written to ``folder/rank<N>.json``: every gloo operation run in that time (torch.profiler's ``gloo:*``
 events: DDP's gradient buckets in C++ included), and each ``torch.distributed`` call Python code made, with its
-``async_op`` (a call without it blocks the host until every rank has made it)."""
+``async_op`` (a call without it blocks the host until every rank has made it).
+
+The Python calls are counted where they are made, so exactly. The gloo operations run on gloo's own threads, an
+asynchronous one (DDP's bucket, Preemption's flag) when that thread gets to it: one started just before the window
+can run inside it, and one started inside at its end can run after it. Counted over several steps, each edge moves
+the count by at most one per kind of collective."""
 
 import json
 import os
@@ -19,13 +24,14 @@ COLLECTIVES = (
 
 
 class CountCollectives(Callback):
-    def __init__(self, folder: str, batch: int = 4) -> None:
+    def __init__(self, folder: str, batch: int = 4, steps: int = 1) -> None:
         """
         Args:
             folder: Where each rank writes what it counted.
-            batch: The batch whose step is counted (a later one than DDP's first two, which set up its buckets).
+            batch: The first batch whose step is counted (a later one than DDP's first two, which set up its buckets).
+            steps: How many steps are counted, from that batch on.
         """
-        self.folder, self.batch = Path(folder), batch
+        self.folder, self.batch, self.steps = Path(folder), batch, steps
         self.calls: list[list] = []
         self._profiler = None
         self._originals: dict = {}
@@ -33,7 +39,7 @@ class CountCollectives(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         if batch_idx == self.batch:
             self._start()
-        elif batch_idx == self.batch + 1:  # (Lightning's loop has begun this batch: what it does first is counted)
+        elif batch_idx == self.batch + self.steps:  # (Lightning's loop has begun it: what it does first is counted)
             self._stop(trainer)
 
     def _start(self) -> None:
