@@ -51,6 +51,7 @@ from app.checkpoints.sharded import (
     not_loaded_here,
     save_sharded,
 )
+from app.checkpoints.storage import is_url
 from app.errors import UserError
 from app.lightning_internals import free_strategy_name
 from app.strategies.model_parallel import SplitModelStrategy
@@ -141,6 +142,16 @@ class FSDPStrategy(SplitModelStrategy):
             raise UserError(f"--trainer.strategy.checkpoint={checkpoint}: use full or sharded")
         self.checkpoint = checkpoint
         self.units: list[str] = []  # the sharded modules' paths, in the order they were wrapped
+
+    @override
+    def setup(self, trainer) -> None:
+        if self.checkpoint == "sharded" and is_url(trainer.default_root_dir):
+            raise UserError(
+                f"--trainer.strategy.checkpoint=sharded with --trainer.default_root_dir={trainer.default_root_dir}: "
+                "sharded checkpoints are folders renamed into place, on a local or shared filesystem (NFS); pass such "
+                "a root, or checkpoint=full"
+            )
+        super().setup(trainer)
 
     # ---------------------------------------------------------------- shard the model
     def split(self, model: nn.Module) -> nn.Module:
