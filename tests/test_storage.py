@@ -80,6 +80,17 @@ def test_a_run_rooted_at_memory_stops_and_resumes_there_like_an_unbroken_run(wor
     assert files_under(workdir) == [p for p in files_under(workdir) if p.startswith("unbroken")]
 
 
+def test_a_url_is_a_path_that_says_where_it_is_and_a_local_one_stays_pathlib():
+    """``file://`` and plain paths are pathlib's (os calls work on them); an sftp path keeps its user, host and port
+    when written out, so that another process (a resume, a rank, a user reading the line) finds the same place."""
+    assert run_path("file:///data/runs") == Path("/data/runs") and run_path("runs") == Path("runs")
+    remote = run_path("sftp://me@storage.example:2222/data/runs") / "lightning_logs" / "version_3"
+    assert str(remote) == "sftp://me@storage.example:2222/data/runs/lightning_logs/version_3"
+    assert str(remote.parent) == "sftp://me@storage.example:2222/data/runs/lightning_logs"
+    assert str(run_path(str(remote))) == str(remote)  # read back from a line or a config.yaml
+    assert str(run_path("memory://runs") / "x") == "memory://runs/x"
+
+
 def test_a_checkpoint_on_a_url_is_written_whole_and_checked_when_read():
     path = run_path("memory://atomic/ckpts/last.ckpt")
     atomic_torch_save({"global_step": 3, "state_dict": {"w": torch.ones(4)}}, path)
