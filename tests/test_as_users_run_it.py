@@ -278,18 +278,19 @@ def test_cli_mistakes_get_one_line_with_the_fix(capsys, tmp_path):
 
 
 def test_help_names_the_tools_and_what_ckpt_path_takes(capsys, tmp_path):
-    """--help names the machinery's tools (plot) and those a task's cli.py passes in, which then run."""
+    """--help names the machinery's tools (plot, consolidate) and those a task's cli.py passes in, which then run."""
     tools = {"draw": ("app.run.plot", "'cli.py draw RUN' draws the run")}
     with pytest.raises(SystemExit):
         main(["--help"], **TINY_TASK, tools=tools)
     out = " ".join(capsys.readouterr().out.split())
     assert "cli.py plot lightning_logs/version_N" in out and "'cli.py draw RUN' draws the run" in out
+    assert "'cli.py consolidate CKPT' makes one file of fsdp's sharded checkpoint" in out
     with pytest.raises(SystemExit) as exit_info:
         main(["drwa"], **TINY_TASK, tools=tools)
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == (
-        "error: unknown subcommand 'drwa' (did you mean draw?): choose from fit, validate, test, predict, plot, draw; "
-        "see cli.py --help"
+        "error: unknown subcommand 'drwa' (did you mean draw?): choose from fit, validate, test, predict, plot, "
+        "consolidate, draw; see cli.py --help"
     )
     with pytest.raises(SystemExit) as exit_info:
         main(["draw", str(tmp_path)], **TINY_TASK, tools=tools)
