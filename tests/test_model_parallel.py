@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from jsonargparse import Namespace
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins import MixedPrecision
 from lightning.pytorch.strategies import StrategyRegistry
@@ -632,3 +633,51 @@ def test_a_sharded_checkpoint_is_read_for_the_runs_checks_refused_where_it_canno
         main([str(tmp_path / "last.full.ckpt")])
     with pytest.raises(UserError, match="already exists"):
         main([str(folder)])
+
+
+class _OneRank:
+    """What save_sharded asks of a strategy, for one process (DCP saves without a process group)."""
+
+    is_global_zero = True
+
+    def barrier(self, name: str = "") -> None:
+        pass
+
+
+def _sharded_save(checkpoint: dict, path: Path) -> None:
+    from app.checkpoints.sharded import save_sharded
+
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...: assuming ... a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        save_sharded(_OneRank(), checkpoint, path)
+
+
+def test_a_sharded_save_replaces_a_full_file_and_is_found_by_a_restart_and_by_best(tmp_path, monkeypatch):
+    """A sharded checkpoint is a folder where a full one was a file: it replaces a full last.ckpt (nothing left
+    beside it), a torchrun restart continues from it, ``best`` finds it, and a URL is refused in one line."""
+    from app.checkpoints.run_folders import MARKER, continue_run_folder
+    from app.checkpoints.sharded import META
+    from app.launch.launcher import TorchrunJob
+    from app.run.resume import best_checkpoint_of
+
+    folder = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    folder.mkdir(parents=True)
+    torch.save({"global_step": 1}, folder / "last.ckpt")  # a full checkpoint of the same run, a file
+    best = str(folder / "epoch=0-val_acc=0.5.ckpt")
+    state = {"callbacks": {"ModelCheckpoint{'monitor': 'val/acc'}": {"best_model_path": best}}, "global_step": 4}
+    for path in (folder / "last.ckpt", Path(best)):
+        _sharded_save({**state, "state_dict": {"w": torch.ones(3)}, "optimizer_states": []}, path)
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-val_acc=0.5.ckpt", "last.ckpt"]
+    assert (folder / "last.ckpt" / META).is_file()
+    assert best_checkpoint_of(folder / "last.ckpt") == Path(best)
+
+    job = TorchrunJob(run_id="job-1", world_size=2, local_world_size=2, nodes=1, restart_count=1, max_restarts=3)
+    (folder.parent / MARKER).write_text(json.dumps({"rdzv_id": "job-1", "finished": False, "agents": []}))
+    logger = type("Logger", (), {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": None})()
+    logger.init_args = Namespace(save_dir=str(tmp_path), name="lightning_logs", version=None)
+    monkeypatch.setattr("app.checkpoints.run_folders.is_first_process", lambda: False)
+    continued, ckpt, _ = continue_run_folder([logger], job)
+    assert ckpt == str(folder / "last.ckpt") and list(continued.values()) == [0]
+
+    with pytest.raises(UserError, match="sharded checkpoints are folders renamed into place"):
+        _sharded_save({"state_dict": {}, "optimizer_states": []}, "memory://runs/last.ckpt")

@@ -6,6 +6,7 @@ under the working directory."""
 import contextlib
 import csv
 import getpass
+import importlib.util
 import io
 import json
 import os
@@ -20,7 +21,9 @@ import pytest
 import torch
 
 from app.checkpoints.io import atomic_torch_save, safe_torch_load
+from app.checkpoints.run_folders import check_writable
 from app.checkpoints.storage import run_path
+from app.errors import UserError
 from tests.conftest import ROOT, TINY_CONFIG, run_cli
 
 SSHD = Path(shutil.which("sshd") or "/usr/sbin/sshd")
@@ -89,6 +92,16 @@ def test_a_url_is_a_path_that_says_where_it_is_and_a_local_one_stays_pathlib():
     assert str(remote.parent) == "sftp://me@storage.example:2222/data/runs/lightning_logs"
     assert str(run_path(str(remote))) == str(remote)  # read back from a line or a config.yaml
     assert str(run_path("memory://runs") / "x") == "memory://runs/x"
+
+
+def test_a_url_without_its_package_or_its_server_is_one_line():
+    """Before anything is written: the package to install (fsspec's own words), or the host that did not answer
+    (the root's first check, which cli.py makes before any work)."""
+    if importlib.util.find_spec("s3fs") is None:  # (with s3fs installed there is nothing to refuse)
+        with pytest.raises(UserError, match=r"^s3://bucket/runs: Install s3fs to access S3 \(pip install it"):
+            run_path("s3://bucket/runs")
+    with pytest.raises(UserError, match=r"default_root_dir=sftp://me@127.0.0.1:1/runs: cannot write there \(.*port 1"):
+        check_writable("sftp://me@127.0.0.1:1/runs")  # port 1: nothing listens
 
 
 def test_a_checkpoint_on_a_url_is_written_whole_and_checked_when_read():

@@ -68,7 +68,7 @@ def what_next(last: Path | None, cut_off: bool = False) -> str:
     """What a rank that stops after a lost peer tells the user: a restart is promised only when one is left."""
     if cut_off:
         return REJOIN[0].upper() + REJOIN[1:]
-    saved = last is not None and last.is_file()
+    saved = last is not None and last.exists()  # a file, or fsdp's sharded folder
     if restarts_left():
         then = restart_after_failure()
         return then[0].upper() + then[1:] + (f" from {last}" if saved else "")

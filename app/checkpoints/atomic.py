@@ -13,6 +13,7 @@ atomic each kind of storage makes that move).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -66,8 +67,9 @@ def upload(local: Path, target: Path) -> None:
         partial.fs.put_file(str(local), partial.path)
         move_onto(partial, target)
     except BaseException:
-        if partial.exists():
-            partial.unlink()
+        with contextlib.suppress(Exception):  # (a dropped connection: the upload's own error is the one to see)
+            if partial.exists():
+                partial.unlink()
         raise
 
 

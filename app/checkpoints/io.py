@@ -115,7 +115,7 @@ def _save_to_url(obj: Any, path: Path, unless: Callable[[], bool] | None) -> boo
             return False
         move_onto(partial, path)
     except BaseException:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(Exception):  # (a dropped connection: the save's own error is the one to see)
             if partial.exists():
                 partial.unlink()
         raise

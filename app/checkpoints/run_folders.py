@@ -123,10 +123,10 @@ _made: list[Path] = []  # the top folder check_writable made for this run: gone 
 def check_writable(folder: Path) -> None:
     """The run's output folder exists (made if needed) and takes a file, or one line naming it."""
     folder = run_path(folder)
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"--trainer.default_root_dir={folder}: is a file; pass a folder")
-    missing = [path for path in (folder, *folder.parents) if not path.exists()]
     try:
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"--trainer.default_root_dir={folder}: is a file; pass a folder")
+        missing = [path for path in (folder, *folder.parents) if not path.exists()]
         folder.mkdir(parents=True, exist_ok=True)
         _made[:] = missing[-1:]  # this run's only
         if is_local(folder):
@@ -136,9 +136,14 @@ def check_writable(folder: Path) -> None:
             probe = folder / f".probe.{os.getpid()}.{os.urandom(4).hex()}"
             probe.write_bytes(b"")
             probe.unlink()
-    except OSError as err:
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - an OSError here; on a URL whatever its filesystem raises (paramiko's)
+        if is_local(folder) and not isinstance(err, OSError):
+            raise
+        reason = getattr(err, "strerror", None) or f"{type(err).__name__}: {err}"
         raise UserError(
-            f"--trainer.default_root_dir={folder}: cannot write there ({err.strerror or err}); pass a writable folder"
+            f"--trainer.default_root_dir={folder}: cannot write there ({reason}); pass a writable folder"
         ) from None
 
 
@@ -279,6 +284,6 @@ def continue_run_folder(loggers: list, job: Job) -> tuple[dict[Path, int], str |
         if is_first_process():
             keep_metrics_for_restart(folder)
         last = folder / "checkpoints" / "last.ckpt"
-        if last.is_file() and ckpt is None:
+        if last.exists() and ckpt is None:  # a file, or fsdp's sharded folder
             ckpt = str(last.resolve() if is_local(last) else last)
     return continued, ckpt, config_name

@@ -11,8 +11,8 @@ A checkpoint ``last.ckpt`` is then a folder::
 
 A save writes a hidden folder beside the target and, once every rank's pieces and ``meta.pt`` are in it, rank 0
 moves it onto the target: a reader finds the old checkpoint or the new one. (Two renames, since a folder cannot
-replace a folder in one: a kill between them leaves the new checkpoint under ``.NAME.partial`` and the old under
-``.NAME.old``, and no ``NAME``; the next save cleans both.)
+replace a folder in one: a kill between them leaves the new checkpoint, complete, under ``.NAME.partial`` and the
+old under ``.NAME.old``, and no ``NAME``; the next save first renames that complete checkpoint into place.)
 
 ``python cli.py consolidate CKPT`` makes one ordinary checkpoint file of it, for ``test``, ``predict`` and
 ``export`` under any strategy (:func:`main`).
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from app.checkpoints.io import CHECKPOINT_FORMAT, FORMAT_KEY, atomic_torch_save, safe_torch_load
+from app.checkpoints.storage import is_url, run_path
 from app.errors import UserError
 
 META = "meta.pt"
@@ -45,6 +46,9 @@ def is_sharded_checkpoint(path: Any) -> bool:
 
 def not_loaded_here(path: Any) -> UserError:
     """The one line for a sharded checkpoint given where it cannot load (another strategy, or fsdp's full mode)."""
+    if is_url(path):
+        return UserError(f"{path}: a sharded checkpoint on a URL; sharded checkpoints load from a local or shared "
+                         "filesystem (NFS): copy the folder there")  # fmt: skip
     return UserError(
         f"{path}: an fsdp sharded checkpoint (a folder); load it with --trainer.strategy=fsdp "
         f"--trainer.strategy.checkpoint=sharded, or make one file of it: cli.py consolidate {path}"
@@ -56,10 +60,17 @@ def save_sharded(strategy, checkpoint: dict[str, Any], filepath: Any) -> None:
     :meth:`~app.strategies.fsdp.FSDPStrategy.lightning_module_state_dict` gives them) as a folder at ``filepath``."""
     import torch.distributed.checkpoint as dcp
 
+    if is_url(filepath):
+        raise UserError(
+            f"{filepath}: sharded checkpoints are folders renamed into place, on a local or shared filesystem (NFS); "
+            "point the checkpoints there, or use --trainer.strategy.checkpoint=full"
+        )
     target = Path(filepath)
     partial, old = target.parent / f".{target.name}.partial", target.parent / f".{target.name}.old"
     if strategy.is_global_zero:
-        shutil.rmtree(partial, ignore_errors=True)  # what a save cut short left
+        if not target.exists() and (partial / META).is_file():  # a save killed between its renames: complete
+            partial.rename(target)
+        _remove(partial)  # what a save cut short left
         partial.mkdir(parents=True)
     strategy.barrier("sharded checkpoint: its folder")
     pieces = {"state_dict": checkpoint["state_dict"]}
@@ -72,11 +83,19 @@ def save_sharded(strategy, checkpoint: dict[str, Any], filepath: Any) -> None:
         atomic_torch_save(meta, partial / META)
     strategy.barrier("sharded checkpoint: written")
     if strategy.is_global_zero:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
         if target.exists():
             target.rename(old)
         partial.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """A folder with what is in it, or a file (a full checkpoint that a sharded one replaces)."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def load_sharded(path: Any, model: nn.Module, optimizers: list) -> dict[str, Any]:
@@ -150,15 +169,17 @@ def main(argv: list[str], model: Any = None) -> None:
     parser.add_argument("ckpt_path", help="the sharded checkpoint, e.g. lightning_logs/version_0/checkpoints/last.ckpt")
     parser.add_argument("--out", help="the file to write (default: CKPT_PATH with .full.ckpt for .ckpt)")
     args = parser.parse_args(argv)
+    if is_url(args.ckpt_path):
+        raise UserError(f"{args.ckpt_path}: consolidate reads a local or shared folder: copy the checkpoint there")
     source = Path(args.ckpt_path)
     if not is_sharded_checkpoint(source):
         raise UserError(
             f"{source}: not a sharded checkpoint (a folder with .metadata and {META}, written under "
             "--trainer.strategy.checkpoint=sharded); a checkpoint file is whole already"
         )
-    out = Path(args.out) if args.out else source.with_name(source.name.removesuffix(".ckpt") + ".full.ckpt")
+    out = run_path(args.out) if args.out else source.with_name(source.name.removesuffix(".ckpt") + ".full.ckpt")
     if out.exists():
-        raise UserError(f"--out {out} already exists; choose another path")
+        raise UserError(f"{out} already exists; pass --out with another path (nothing is written over)")
     atomic_torch_save(consolidate(source), out)
     print(f"consolidated {source} -> {out}", file=sys.stderr)
 

@@ -42,9 +42,14 @@ def run_path(where: Any) -> Path:
     from upath import UPath
 
     _keep_sftp_hosts()
+    from fsspec.registry import get_filesystem_class
+
     try:
+        get_filesystem_class(text.split("://", 1)[0])  # imported now: a missing package is one line here
         return UPath(text)
-    except (ImportError, ValueError) as err:  # fsspec's own message names the package to install (s3fs, gcsfs, ...)
+    except ImportError as err:  # fsspec's own message names the package: "Install s3fs to access S3"
+        raise UserError(f"{text}: {err} (pip install it into this environment)") from None
+    except ValueError as err:  # a protocol fsspec does not know
         raise UserError(f"{text}: {err}") from None
 
 

@@ -232,9 +232,9 @@ def best_checkpoint_of(last: Path, load=None) -> Path | None:
     states = (load or partial(load_checkpoint, shapes=True))(str(last)).get("callbacks", {})
     for key, state in states.items():
         best = state.get("best_model_path") if key.startswith("ModelCheckpoint") else None
-        if best and run_path(best).is_file():
+        if best and run_path(best).exists():  # a file, or fsdp's sharded folder
             return run_path(best)
-        if best and (last.parent / Path(best).name).is_file():  # the run folder was moved
+        if best and (last.parent / Path(best).name).exists():  # the run folder was moved
             return last.parent / Path(best).name
     return None
 

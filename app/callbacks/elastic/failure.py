@@ -200,7 +200,7 @@ def say_nothing_saved(trainer, step: int, exception: BaseException) -> None:
     """fsdp, pipeline: no rank holds the whole state, and the lost one's part is gone with it; the restart goes on
     from the last checkpoint on disk, as a resume would."""
     written = trainer.checkpoint_callback.last_model_path
-    since = f"the last checkpoint written ({written})" if written and run_path(written).is_file() else "the start"
+    since = f"the last checkpoint written ({written})" if written and run_path(written).exists() else "the start"
     part = "a stage's layers" if parallelism(trainer.strategy).stages > 1 else "a shard"
     failure = f"{type(exception).__name__} after step {step}"
     say(
