@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
@@ -60,17 +61,30 @@ def atomic_path(path: str | os.PathLike, suffix: str | None = None, private: boo
 
 
 def upload(local: Path, target: Path) -> None:
-    """Copy a finished local file onto ``target`` on a URL: beside it under a hidden temporary name, then moved."""
+    """Copy a finished local file onto ``target`` on a URL (:func:`write_to_url`)."""
+    with open(local, "rb") as source:
+        write_to_url(target, lambda f: shutil.copyfileobj(source, f))
+
+
+def write_to_url(target: Path, write: Callable[[IO], None], unless: Callable[[], bool] | None = None) -> bool:
+    """``write(file)`` into a hidden temporary file beside ``target`` on a URL, then moved onto it
+    (:func:`~app.checkpoints.storage.move_onto`); True when ``target`` was written. ``unless``: as
+    :func:`app.checkpoints.io.atomic_torch_save`'s."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.parent / f".{target.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     try:
-        partial.fs.put_file(str(local), partial.path)
+        with partial.open("wb") as f:
+            write(f)
+        if unless is not None and unless():
+            partial.unlink()
+            return False
         move_onto(partial, target)
     except BaseException:
-        with contextlib.suppress(Exception):  # (a dropped connection: the upload's own error is the one to see)
+        with contextlib.suppress(Exception):  # (a dropped connection: the write's own error is the one to see)
             if partial.exists():
                 partial.unlink()
         raise
+    return True
 
 
 @contextmanager

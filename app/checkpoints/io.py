@@ -39,7 +39,8 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from typing_extensions import override
 
-from app.checkpoints.storage import is_local, move_onto, run_path
+from app.checkpoints.atomic import write_to_url
+from app.checkpoints.storage import is_local, run_path
 from app.errors import UserError
 from app.task import spec_of
 
@@ -62,8 +63,8 @@ def atomic_torch_save(
     ``unless``: asked once the file is written, just before it replaces ``path``; when it says True, ``path`` is left
     as it is (the temporary file is removed, the announcement taken back) and the result is False."""
     path = run_path(path)
-    if not is_local(path):
-        return _save_to_url(obj, path, unless)
+    if not is_local(path):  # no announcement: a survivor's save is read back from a local run folder only
+        return write_to_url(path, lambda f: torch.save(obj, f), unless)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     take_back = None
@@ -98,27 +99,6 @@ def atomic_torch_save(
         os.fsync(dir_fd)  # the rename itself survives a crash
     finally:
         os.close(dir_fd)
-    return True
-
-
-def _save_to_url(obj: Any, path: Path, unless: Callable[[], bool] | None) -> bool:
-    """:func:`atomic_torch_save` onto a URL: written beside the target under a hidden temporary name, then moved onto
-    it (:func:`~app.checkpoints.storage.move_onto`). No announcement: a survivor's save after a failure is read back
-    from a local run folder only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.parent / f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
-    try:
-        with partial.open("wb") as f:
-            torch.save(obj, f)
-        if unless is not None and unless():
-            partial.unlink()
-            return False
-        move_onto(partial, path)
-    except BaseException:
-        with contextlib.suppress(Exception):  # (a dropped connection: the save's own error is the one to see)
-            if partial.exists():
-                partial.unlink()
-        raise
     return True
 
 
