@@ -41,6 +41,8 @@ moves one fails there, by name, instead of somewhere deep in a run. Everything e
    with ``.item()`` at every batch when several processes train (a blocking collective per step, and a host sync
    on GPUs: Lightning issue 21487). While Preemption has the stop signals it is the one agreement per step, and the
    broadcast is skipped.
+13. :func:`app.callbacks.run_report.skip_inherited_hooks` — Lightning's ``_call_callback_hooks`` passes by a
+   callback's hook that is not callable: the per-step hooks a callback inherits from ``Callback`` are set to None.
 
 Private names of torch, Lightning, torchvision and argparse used elsewhere in the machinery (``app/``) and in
 ``bench/`` are listed in :data:`PRIVATE_USES`, each with the class or module that has it and why (a task lists its

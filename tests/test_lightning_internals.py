@@ -556,3 +556,48 @@ def test_the_training_loops_stop_flag_broadcast(tmp_path):
     give_back_stop_flag(trainer)
     loop = trainer.fit_loop.epoch_loop
     assert loop._broadcast_sigterm_tensor.__func__ is _TrainingEpochLoop._broadcast_sigterm_tensor
+
+
+def test_inherited_per_step_hooks_are_not_called_and_defined_ones_are(tmp_path):
+    """13. skip_inherited_hooks: Lightning passes a callback's hook that is not callable by (so a hook the callback
+    only inherits costs nothing per step), and a real fit with RunReport calls every hook a callback defines, each
+    batch, and none of the ones it inherits: the profiler, which wraps each call Lightning makes, sees only those."""
+    from lightning.pytorch import Callback
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.profilers import PassThroughProfiler
+    from lightning.pytorch.trainer import call
+
+    from app.callbacks import RunReport
+    from app.callbacks.run_report import PER_STEP_HOOKS
+
+    assert "if callable(fn)" in inspect.getsource(call._call_callback_hooks)
+
+    class Called(PassThroughProfiler):
+        names: list = []
+
+        def start(self, action_name: str) -> None:
+            self.names.append(action_name)
+
+    seen = []
+
+    class Defines(Callback):
+        def on_before_zero_grad(self, trainer, pl_module, optimizer):
+            seen.append(trainer.global_step)
+
+    class Inherits(Callback):
+        pass
+
+    defines, inherits = Defines(), Inherits()
+    trainer = Trainer(
+        default_root_dir=tmp_path, accelerator="cpu", max_epochs=1, limit_train_batches=3, limit_val_batches=2,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[defines, inherits, RunReport()], profiler=Called(),
+    )  # fmt: skip
+    trainer.fit(BoringModel())
+    assert seen == [0, 1, 2]  # a defined hook: every step
+    assert all(getattr(inherits, hook) is None for hook in PER_STEP_HOOKS)
+    assert callable(defines.on_before_zero_grad) and defines.on_train_batch_end is None
+    called = [name for name in Called.names if name.startswith("[Callback]") and name.split(".")[-1] in PER_STEP_HOOKS]
+    assert sum(name.endswith("Defines.on_before_zero_grad") for name in called) == 3  # (a qualified name)
+    assert not [name for name in called if "Inherits." in name]
+    assert "[Callback]RunReport.on_train_batch_end" in called  # RunReport's own per-step hooks
