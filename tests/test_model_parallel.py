@@ -163,6 +163,45 @@ def test_an_fsdp_sharded_checkpoint_is_each_ranks_pieces_resumes_at_2_and_1_rank
 
 
 @pytest.mark.slow
+def test_fsdp_background_saves_stop_and_resume_to_the_unbroken_weights(fsdp_unbroken, tmp_path, monkeypatch):
+    """``--trainer.strategy.async_save=true``: every rank's saves are written by its background thread while
+    training goes on; a SIGTERM's save is in place when the process exits 143, the resume from it ends bitwise on
+    the unbroken run's weights, and the resumed run's own saves (each epoch's best and last.ckpt) are in place at its
+    end, nothing half-written beside them."""
+    from app.checkpoints.sharded import read_sharded
+
+    root, threads = tmp_path / "runs", tmp_path / "threads"
+    threads.mkdir()
+    monkeypatch.setenv("DCP_THREADS", str(threads))
+    sharded = ("--trainer.strategy=fsdp", "--trainer.strategy.checkpoint=sharded", "--trainer.strategy.async_save=true")
+    sharded += ("--trainer.callbacks+=tests.dcp_threads.DCPThreads",)
+    stop = {"class_path": "tests.signal_at_step.SignalAtStep", "init_args": {"step": 3, "rank": 1}}
+    output = fit(root, tmp_path, *sharded, "--trainer.devices=2", "--trainer.callbacks+=" + json.dumps(stop))
+    held = int(re.search(r"SIGTERM: stopped after step (\d+) \(epoch 0\)", output)[1])
+    stopped = root / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert read_sharded(stopped)["global_step"] == held
+
+    output = fit(root, tmp_path, *sharded, "--trainer.devices=2", "--ckpt_path=last")
+    assert f"resuming from {stopped} (step {held})" in output, output[-3000:]
+    folder = root / "lightning_logs" / "version_1" / "checkpoints"
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]  # no .partial, no .old
+    assert len([p for p in folder.iterdir() if p.name.startswith("epoch=")]) == 1  # the best, the other removed
+    unbroken = fsdp_unbroken["checkpoint"]
+    again = consolidated(root, 1, tmp_path)
+    assert again["global_step"] == unbroken["global_step"]
+    differ = [k for k in unbroken["state_dict"] if not torch.equal(again["state_dict"][k], unbroken["state_dict"][k])]
+    assert not differ, differ
+    for rank in (0, 1):  # the stop's save, each epoch's last.ckpt and any new best: all on the writer's thread
+        saves = (threads / f"rank{rank}.txt").read_text().split()
+        assert len(saves) >= 3 and set(saves) == {"sharded-save_0"}, saves
+
+
+def test_async_save_without_sharded_checkpoints_is_one_line():
+    with pytest.raises(UserError, match=r"async_save=true writes sharded .*add --trainer.strategy.checkpoint=sharded"):
+        FSDPStrategy(async_save=True)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp", "pipeline"])
 def test_a_ddp_checkpoint_resumes_under_model_parallelism_exactly(fsdp_unbroken, tmp_path, strategy):
     """One epoch under ddp, the second under fsdp (the optimizer's momentum goes into the shards) or pipeline (each
@@ -644,12 +683,60 @@ class _OneRank:
         pass
 
 
-def _sharded_save(checkpoint: dict, path: Path) -> None:
+def _sharded_save(checkpoint: dict, path: Path, background=None) -> None:
     from app.checkpoints.sharded import save_sharded
 
     with warnings.catch_warnings():  # "torch.distributed is disabled ...: assuming ... a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        save_sharded(_OneRank(), checkpoint, path)
+        save_sharded(_OneRank(), checkpoint, path, background)
+
+
+def test_a_background_save_writes_what_the_weights_were_moves_it_into_place_on_settle_and_says_a_failure(
+    tmp_path, monkeypatch
+):
+    """``async_save``: the save holds the weights as they were when it was asked for, though its worker writes only
+    after training changed them in place; the folder is moved onto last.ckpt only by ``settle`` (on the training
+    thread); a save that fails is one line there, and the checkpoint before it stays."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from app.checkpoints.sharded import BackgroundSaves, read_sharded
+
+    path, weights, background = tmp_path / "last.ckpt", torch.zeros(4), BackgroundSaves()
+    stepped, writers, real_save = threading.Event(), [], dcp.save
+
+    def save_after_the_step(*args, **kwargs):
+        writers.append(threading.current_thread())
+        assert stepped.wait(30)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(dcp, "save", save_after_the_step)
+    _sharded_save({"global_step": 1, "state_dict": {"w": weights}, "optimizer_states": []}, path, background)
+    weights.add_(1.0)  # the next step, in place, while the save waits to be written
+    stepped.set()
+    background._pending[-1][0].result(timeout=30)
+    assert not path.exists() and background.writing(path)  # written, not yet in place
+    background.settle()
+    assert read_sharded(path)["global_step"] == 1 and not background.writing(path)
+    assert writers and writers[0] is not threading.main_thread()
+    loaded = {"w": torch.empty(4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"state_dict": loaded}, checkpoint_id=path)
+    assert torch.equal(loaded["w"], torch.zeros(4))  # the weights at the save, not after the step
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dcp, "save", full_disk)
+    _sharded_save({"global_step": 2, "state_dict": {"w": weights}, "optimizer_states": []}, path, background)
+    with pytest.raises(UserError, match=r"last.ckpt: its background save failed \(\[Errno 28\] No space left"):
+        background.settle(wait=True)
+    assert read_sharded(path)["global_step"] == 1  # the checkpoint before it
+    background.close()
 
 
 def test_a_sharded_save_replaces_a_full_file_and_is_found_by_a_restart_and_by_best(tmp_path, monkeypatch):

@@ -339,6 +339,8 @@ class Preemption(Callback):
         callback.last_model_path = path  # part of the checkpoint's callback state, as Lightning's save_last does
         # every rank calls it; rank 0 writes, then all wait at a barrier
         trainer.save_checkpoint(path, weights_only=False)
+        if getattr(trainer.strategy, "background", None) is not None:  # fsdp's async_save: written before it is said
+            trainer.strategy.background.settle(wait=True)
         self._saved = True
         return run_path(path)
 

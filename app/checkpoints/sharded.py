@@ -14,6 +14,10 @@ moves it onto the target: a reader finds the old checkpoint or the new one. (Two
 replace a folder in one: a kill between them leaves the new checkpoint, complete, under ``.NAME.partial`` and the
 old under ``.NAME.old``, and no ``NAME``; the next save first renames that complete checkpoint into place.)
 
+With ``--trainer.strategy.async_save=true`` a save only copies the rank's pieces (to CPU memory, on the training
+thread) and writes them in the background (:class:`BackgroundSaves`); the folder is moved into place once every
+rank's pieces are written, at a later training batch, the next save or the end of the run.
+
 ``python cli.py consolidate CKPT`` makes one ordinary checkpoint file of it, for ``test``, ``predict`` and
 ``export`` under any strategy (:func:`main`).
 """
@@ -24,6 +28,9 @@ import argparse
 import shutil
 import sys
 import tempfile
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +62,12 @@ def not_loaded_here(path: Any) -> UserError:
     )
 
 
-def save_sharded(strategy, checkpoint: dict[str, Any], filepath: Any) -> None:
+def save_sharded(
+    strategy, checkpoint: dict[str, Any], filepath: Any, background: BackgroundSaves | None = None
+) -> None:
     """Every rank: write ``checkpoint`` (its ``state_dict`` and ``optimizer_states`` sharded, as
-    :meth:`~app.strategies.fsdp.FSDPStrategy.lightning_module_state_dict` gives them) as a folder at ``filepath``."""
+    :meth:`~app.strategies.fsdp.FSDPStrategy.lightning_module_state_dict` gives them) as a folder at ``filepath``;
+    with ``background``, its pieces are copied here and written by :class:`BackgroundSaves`."""
     import torch.distributed.checkpoint as dcp
 
     if is_url(filepath):
@@ -67,27 +77,94 @@ def save_sharded(strategy, checkpoint: dict[str, Any], filepath: Any) -> None:
         )
     target = Path(filepath)
     partial, old = target.parent / f".{target.name}.partial", target.parent / f".{target.name}.old"
+    if background is not None:
+        background.settle(wait=background.writing(target))  # one save of a folder at a time
     if strategy.is_global_zero:
-        if not target.exists() and (partial / META).is_file():  # a save killed between its renames: complete
+        if not target.exists() and is_sharded_checkpoint(partial):  # a save killed between its renames: complete
             partial.rename(target)
         _remove(partial)  # what a save cut short left
         partial.mkdir(parents=True)
     strategy.barrier("sharded checkpoint: its folder")
     pieces = {"state_dict": checkpoint["state_dict"]}
     pieces["optimizer_states"] = {str(i): state for i, state in enumerate(checkpoint.get("optimizer_states", []))}
-    dcp.save(pieces, checkpoint_id=partial)
+    if background is None:
+        dcp.save(pieces, checkpoint_id=partial)
     if strategy.is_global_zero:
         meta = {k: v for k, v in checkpoint.items() if k not in SHARDED_KEYS}
         meta[FORMAT_KEY] = CHECKPOINT_FORMAT
         meta["optimizer_count"] = len(pieces["optimizer_states"])
         atomic_torch_save(meta, partial / META)
+    commit = (lambda: _into_place(partial, target, old)) if strategy.is_global_zero else (lambda: None)
+    if background is not None:
+        return background.submit(pieces, partial, target, commit)
     strategy.barrier("sharded checkpoint: written")
-    if strategy.is_global_zero:
-        _remove(old)
-        if target.exists():
-            target.rename(old)
-        partial.rename(target)
-        _remove(old)
+    commit()
+
+
+def _into_place(partial: Path, target: Path, old: Path) -> None:
+    """Rank 0: the written folder moved onto the target (two renames; see the module's docstring)."""
+    _remove(old)
+    if target.exists():
+        target.rename(old)
+    partial.rename(target)
+    _remove(old)
+
+
+class BackgroundSaves:
+    """Sharded saves written in the background (``--trainer.strategy.async_save=true``), for one strategy.
+
+    :meth:`submit` copies the rank's pieces to new CPU tensors (DCP's ``DefaultStager``), on the training thread, so
+    that the next steps' updates do not reach the save; one worker thread then writes the saves in the order they
+    came (``dcp.save``), its collectives on a gloo process group of its own, made in the first save: the training
+    thread's collectives go on meanwhile on the default group, and no two saves mix theirs (``dcp.async_save`` would
+    start a thread per save). Rank 0's DCP writes the folder's ``.metadata`` once every rank has written its pieces;
+    :meth:`settle`, on the training thread (at every training batch, at every save, at the end of the run), then
+    moves the folder into place, or raises the save's error there."""
+
+    def __init__(self) -> None:
+        self._writer: ThreadPoolExecutor | None = None
+        self._group = None
+        self._pending: deque = deque()  # (future, target, commit), oldest first
+
+    def submit(self, pieces: dict, partial: Path, target: Path, commit: Callable[[], None]) -> None:
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._writer is None:  # every rank is in the same save here: new_group is collective
+            self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sharded-save")
+        stager = DefaultStager(StagingOptions(False, False, False, False))  # plain CPU copies, here, now
+        staged = stager.stage(pieces)
+        stager.close()
+        future = self._writer.submit(dcp.save, staged, checkpoint_id=partial, process_group=self._group)
+        self._pending.append((future, target, commit))
+
+    def writing(self, target: Path) -> bool:
+        """Whether a save of ``target`` is still in the background."""
+        return any(pending == target for _, pending, _ in self._pending)
+
+    def settle(self, wait: bool = False) -> None:
+        """Move the written saves into place, oldest first; with ``wait``, wait for every save first."""
+        while self._pending and (wait or self._pending[0][0].done()):
+            future, target, commit = self._pending.popleft()
+            error = future.exception()
+            if error is not None:
+                self._pending.clear()
+                raise UserError(f"{target}: its background save failed ({error}); the checkpoint before it stays")
+            commit()
+
+    def close(self) -> None:
+        """The end of the run: every save written and in place, the worker gone."""
+        try:
+            self.settle(wait=True)
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown(wait=False, cancel_futures=True)
+                self._writer = None
+
+    def __getstate__(self) -> dict:  # a pickled strategy (a spawned rank) starts with no save in flight
+        return {"_writer": None, "_group": None, "_pending": deque()}
 
 
 def _remove(path: Path) -> None:

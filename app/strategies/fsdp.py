@@ -44,6 +44,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from typing_extensions import override
 
 from app.checkpoints.sharded import (
+    BackgroundSaves,
     by_index,
     by_name,
     is_sharded_checkpoint,
@@ -104,6 +105,7 @@ class FSDPStrategy(SplitModelStrategy):
         param_dtype: DType | None = None,
         reduce_dtype: DType | None = None,
         checkpoint: Literal["full", "sharded"] = "full",
+        async_save: bool = False,
         accelerator=None,
         parallel_devices=None,
         cluster_environment=None,
@@ -125,6 +127,10 @@ class FSDPStrategy(SplitModelStrategy):
             checkpoint: ``full``: one state dict, gathered on rank 0, in one file (loads anywhere); ``sharded``: a
                 folder that every rank writes its pieces into, with no rank holding the whole model, loadable at any
                 number of ranks (app/checkpoints/sharded.py; ``cli.py consolidate`` makes one file of it).
+            async_save: With ``checkpoint=sharded``: a save copies each rank's pieces to CPU memory and training goes
+                on while a background thread writes them; the folder is moved into place once written (at a later
+                batch, the next save or the run's end). Costs a copy of the rank's shard in CPU memory per save in
+                flight.
             process_group_backend: ``gloo``, ``nccl`` (default: nccl on GPUs, gloo on CPU).
             timeout: The process group's timeout: a collective waiting longer for a lost peer fails.
         """
@@ -141,6 +147,12 @@ class FSDPStrategy(SplitModelStrategy):
         if checkpoint not in ("full", "sharded"):
             raise UserError(f"--trainer.strategy.checkpoint={checkpoint}: use full or sharded")
         self.checkpoint = checkpoint
+        if async_save and checkpoint != "sharded":
+            raise UserError(
+                "--trainer.strategy.async_save=true writes sharded checkpoints in the background: add "
+                "--trainer.strategy.checkpoint=sharded"
+            )
+        self.background = BackgroundSaves() if async_save else None
         self.units: list[str] = []  # the sharded modules' paths, in the order they were wrapped
 
     @override
@@ -260,8 +272,26 @@ class FSDPStrategy(SplitModelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Any | None = None) -> None:
         if self.checkpoint == "sharded" and self.sharded:
-            return save_sharded(self, checkpoint, filepath)  # every rank writes its pieces
+            return save_sharded(self, checkpoint, filepath, self.background)  # every rank writes its pieces
         return super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.background is not None:
+            self.background.settle()  # the background saves written since: into place
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self.background is not None:
+            self.background.settle(wait=True)
+
+    @override
+    def teardown(self) -> None:
+        if self.background is not None:
+            self.background.close()  # (a run that stopped early, with a save in flight)
+        super().teardown()
 
     @property
     @override
