@@ -52,7 +52,7 @@ FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (
     "tests/test_fork_resume.py": 120,  # 4 x 3 cli.py runs of a fork's ViT: 57 s alone (2026-11-28), x2
     "tests/test_trackers.py": 180,  # an MLflow server, 9 cli.py runs (ddp among them): 70 s under -n 2 (2026-11-28)
     "tests/test_chaos.py": 300,
-    "tests/test_model_parallel.py": 400,  # + the sharded checkpoint's 5 runs: 43 s alone (2026-11-29)
+    "tests/test_model_parallel.py": 400,  # + the sharded checkpoint's 5 runs: 43 s, the background saves' 2: 43 s
     "tests/fashion_mnist/test_data.py": 270,
     "tests/fashion_mnist/test_tools.py": 210,
     "tests/test_callbacks.py": 170,

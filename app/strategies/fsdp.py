@@ -33,6 +33,7 @@ while each rank keeps its piece, its gradients and the optimizer state in float3
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -274,6 +275,12 @@ class FSDPStrategy(SplitModelStrategy):
         if self.checkpoint == "sharded" and self.sharded:
             return save_sharded(self, checkpoint, filepath, self.background)  # every rank writes its pieces
         return super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath) -> None:
+        if self.background is not None and self.background.writing(Path(filepath)):
+            self.background.settle(wait=True)  # (ModelCheckpoint's top-k drops a best still being written)
+        super().remove_checkpoint(filepath)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
