@@ -234,8 +234,9 @@ _STORAGE = re.compile(r"data/\d+")  # a tensor's bytes, in torch.save's archive
 
 # Set by the test suite (tests/conftest.py): a checkpoint written from any thread but the main one, which runs
 # training in every process of a run, fails its save. Lightning does not promise that trainer.save_checkpoint is safe
-# from another thread, and the template writes none from one (the rank watchdog's verdict makes the training thread's
-# collective fail instead: app/launch/connections.py).
+# from another thread, and the template calls it on none (the rank watchdog's verdict makes the training thread's
+# collective fail instead: app/launch/connections.py). fsdp's background saves (app/checkpoints/sharded.py) write
+# their copied pieces from a worker thread through DCP's own writer, not through this IO.
 TRAINING_THREAD_CHECK = "TEMPLATE_SAVE_ON_TRAINING_THREAD"
 
 

@@ -113,27 +113,37 @@ def _into_place(partial: Path, target: Path, old: Path) -> None:
 class BackgroundSaves:
     """Sharded saves written in the background (``--trainer.strategy.async_save=true``), for one strategy.
 
-    :meth:`submit` copies the rank's pieces to new CPU tensors (DCP's ``DefaultStager``), on the training thread, so
-    that the next steps' updates do not reach the save; one worker thread then writes the saves in the order they
-    came (``dcp.save``), its collectives on a gloo process group of its own, made in the first save: the training
-    thread's collectives go on meanwhile on the default group, and no two saves mix theirs (``dcp.async_save`` would
-    start a thread per save). Rank 0's DCP writes the folder's ``.metadata`` once every rank has written its pieces;
-    :meth:`settle`, on the training thread (at every training batch, at every save, at the end of the run), then
-    moves the folder into place, or raises the save's error there."""
+    :meth:`start` (every rank, at the strategy's set-up) makes a gloo process group for the saves' collectives: the
+    training thread's go on meanwhile on the default group. :meth:`submit` copies the rank's pieces to new CPU
+    tensors (DCP's ``DefaultStager``), on the training thread, so that the next steps' updates do not reach the
+    save; one worker thread then writes the saves in the order they came (``dcp.save``), so no two saves mix their
+    collectives (``dcp.async_save`` would start a thread per save). Rank 0's DCP writes the folder's ``.metadata``
+    once every rank has written its pieces; :meth:`settle`, on the training thread, then moves the folder into place.
+    A failed save is raised only where every rank waits for its own saves (the next save of the same folder, the
+    run's end), so that every rank stops at the same point."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout=None) -> None:
+        self.timeout = timeout  # the saves' collectives' (a lost peer fails a save in flight after it)
         self._writer: ThreadPoolExecutor | None = None
         self._group = None
         self._pending: deque = deque()  # (future, target, commit), oldest first
+        self._failures: list[str] = []
+
+    def start(self) -> None:
+        """Every rank, together (``new_group`` is a collective): the saves' process group and worker."""
+        import torch.distributed as dist
+
+        if self._group is None and dist.is_available() and dist.is_initialized():
+            self._group = dist.new_group(backend="gloo", timeout=self.timeout)
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sharded-save")
 
     def submit(self, pieces: dict, partial: Path, target: Path, commit: Callable[[], None]) -> None:
-        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-        if self._writer is None:  # every rank is in the same save here: new_group is collective
-            self._group = dist.new_group(backend="gloo") if dist.is_initialized() else None
-            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sharded-save")
+        if self._writer is None:  # (a save before the strategy's set-up: one process)
+            self.start()
         stager = DefaultStager(StagingOptions(False, False, False, False))  # plain CPU copies, here, now
         staged = stager.stage(pieces)
         stager.close()
@@ -145,26 +155,46 @@ class BackgroundSaves:
         return any(pending == target for _, pending, _ in self._pending)
 
     def settle(self, wait: bool = False) -> None:
-        """Move the written saves into place, oldest first; with ``wait``, wait for every save first."""
+        """Move the written saves into place, oldest first; with ``wait``, wait for every save, then raise the first
+        that failed (one line: its checkpoint and its cause)."""
         while self._pending and (wait or self._pending[0][0].done()):
             future, target, commit = self._pending.popleft()
             error = future.exception()
-            if error is not None:
-                self._pending.clear()
-                raise UserError(f"{target}: its background save failed ({error}); the checkpoint before it stays")
-            commit()
+            if error is None:
+                commit()
+            else:
+                self._failures.append(f"{target}: its background save failed ({_cause(error)})")
+        if wait and self._failures:
+            failures, self._failures = self._failures, []
+            raise UserError(f"{failures[0]}; the checkpoint before it stays")
 
-    def close(self) -> None:
-        """The end of the run: every save written and in place, the worker gone."""
+    def close(self, raise_failure: bool = True) -> str | None:
+        """The end of the run: every save written and in place, the worker gone. Returns a failed save's line
+        instead of raising it when ``raise_failure`` is false (a run already ending on another error)."""
         try:
             self.settle(wait=True)
+        except UserError as error:
+            if raise_failure:
+                raise
+            return str(error)
         finally:
             if self._writer is not None:
                 self._writer.shutdown(wait=False, cancel_futures=True)
                 self._writer = None
+        return None
 
     def __getstate__(self) -> dict:  # a pickled strategy (a spawned rank) starts with no save in flight
-        return {"_writer": None, "_group": None, "_pending": deque()}
+        return {"timeout": self.timeout, "_writer": None, "_group": None, "_pending": deque(), "_failures": []}
+
+
+def _cause(error: BaseException) -> str:
+    """A save's error in one line: the first rank's own exception, where DCP wrapped every rank's with its trace."""
+    import traceback
+
+    failures = getattr(error, "failures", None)  # torch.distributed.checkpoint's CheckpointException
+    if failures:
+        error = next(iter(failures.values()))[0]
+    return traceback.format_exception_only(type(error), error)[-1].strip()
 
 
 def _remove(path: Path) -> None:

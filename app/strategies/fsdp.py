@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.distributed import default_pg_timeout
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -153,7 +153,7 @@ class FSDPStrategy(SplitModelStrategy):
                 "--trainer.strategy.async_save=true writes sharded checkpoints in the background: add "
                 "--trainer.strategy.checkpoint=sharded"
             )
-        self.background = BackgroundSaves() if async_save else None
+        self.background = BackgroundSaves(timeout) if async_save else None
         self.units: list[str] = []  # the sharded modules' paths, in the order they were wrapped
 
     @override
@@ -165,6 +165,8 @@ class FSDPStrategy(SplitModelStrategy):
                 "a root, or checkpoint=full"
             )
         super().setup(trainer)
+        if self.background is not None:
+            self.background.start()  # every rank: the saves' own process group
 
     # ---------------------------------------------------------------- shard the model
     def split(self, model: nn.Module) -> nn.Module:
@@ -295,10 +297,19 @@ class FSDPStrategy(SplitModelStrategy):
             self.background.settle(wait=True)
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        self._ending_on = exception
+
+    @override
     def teardown(self) -> None:
-        if self.background is not None:
-            self.background.close()  # (a run that stopped early, with a save in flight)
-        super().teardown()
+        try:
+            if self.background is not None:  # a run that ended early: its saves in flight written, or said
+                failed = self.background.close(raise_failure=getattr(self, "_ending_on", None) is None)
+                if failed:
+                    rank_zero_warn(failed)
+        finally:
+            super().teardown()
 
     @property
     @override
