@@ -15,14 +15,11 @@ from lightning.pytorch import Callback, Trainer
 from torch import nn
 
 from app.callbacks import ActivationCheckpointing, LRWarmup, SyncBatchNorm
-from app.callbacks.activation_checkpointing import (
-    apply_activation_checkpointing,
-    remove_activation_checkpointing,
-    saved_bytes,
-)
+from app.callbacks.activation_checkpointing import apply_activation_checkpointing, remove_activation_checkpointing
 from app.callbacks.sync_batchnorm import AllReduceBatchNorm, convert_batchnorm
 from app.callbacks.warmup import lr_scale, warmup_factor
 from app.errors import UserError
+from bench.checkpointing import saved_bytes
 from tests import warm
 from tests.conftest import ROOT, TINY_CONFIG, run_cli
 from tests.parity import BN_WARMUP, REFERENCE, TOLERANCE, VARIANT_CASES, buffer_error, relative_error

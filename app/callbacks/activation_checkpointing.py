@@ -30,7 +30,6 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
-from torch.autograd.graph import saved_tensors_hooks
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
@@ -150,25 +149,3 @@ def _frozen_batchnorm_statistics(module: nn.Module):
         for layer, (momentum, count) in zip(layers, saved, strict=True):
             layer.momentum = momentum
             layer.num_batches_tracked.copy_(count)
-
-
-def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes kept for backward by one forward: tensors autograd saves plus the inputs of checkpointed blocks."""
-    storages: dict[int, int] = {}
-
-    def remember(t: torch.Tensor) -> None:
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        remember(t)
-        return t
-
-    checkpointed = [m for m in model.modules() if type(m).__name__.startswith("Checkpointed")]
-    hooks = [m.register_forward_pre_hook(lambda _, args: remember(args[0])) for m in checkpointed]
-    try:
-        with saved_tensors_hooks(pack, lambda t: t):
-            model(x)
-    finally:
-        for h in hooks:
-            h.remove()
-    return sum(storages.values())

@@ -40,7 +40,7 @@ from torchvision.datasets import FashionMNIST
 from app.checkpoints.atomic import write_bytes
 from app.errors import TemplateWarning
 from app.fashion_mnist import synthetic
-from app.fashion_mnist.idx import DataFileError, parse_idx, read_idx_bytes, write_idx
+from app.fashion_mnist.idx import DataFileError, parse_idx, read_idx, read_idx_bytes, write_idx
 
 Source = Literal["auto", "fashion_mnist", "synthetic"]
 
@@ -351,7 +351,7 @@ def _synthetic_current(folder: Path) -> bool:
 
 def _read_fixed(path: Path, ndim: int, fix: str) -> torch.Tensor:
     try:
-        return parse_idx(read_idx_bytes(path), path, ndim)
+        return read_idx(path, ndim)
     except DataFileError as err:
         raise DataFileError(f"{err}; {fix}") from None
 
