@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SUITE_MINUTES = 40
 FAST_MINUTES = 2
 NEW_FILE_SECONDS = 60
+SLOWEST_SHOWN = 12  # files named at the end of a whole run, with their time
 FILE_SECONDS = {  # tests/ file -> seconds of test time in a whole `make test` (2 workers)
     "tests/test_elastic.py": 750,
     "tests/test_as_users_run_it.py": 750,
@@ -135,6 +136,9 @@ class Budget:
         wall = time.monotonic() - self.started
         budget = (SUITE_MINUTES if self.kind == "make test" else FAST_MINUTES) * 60
         self.lines.append(f"time budget ({self.kind}): {_clock(wall)} of {_clock(budget)}")
+        if self.kind == "make test":  # where the time goes, for whoever makes the suite faster
+            files = ", ".join(f"{f.removeprefix('tests/')} {s:.0f}" for f, s in self.spent.most_common(SLOWEST_SHOWN))
+            self.lines.append(f"slowest files (s of test time, both workers): {files}")
         if wall > budget:
             if self.kind == "make test":
                 over = sorted(

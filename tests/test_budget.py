@@ -41,6 +41,8 @@ def test_a_whole_run_over_its_budget_fails_naming_the_files_over_theirs(monkeypa
     assert error.startswith("error: make test took 41 min 0 s, over its budget of 40 min 0 s")
     assert "tests/test_elastic.py" in error and "tests/test_new.py 61 s (budget 60 s)" in error
     assert "test_cli.py" not in error
+    slowest = "slowest files (s of test time, both workers): test_elastic.py 840, test_new.py 61, test_cli.py 1"
+    assert plugin.lines[1] == slowest
 
 
 def test_within_budget_it_says_the_time_and_passes(monkeypatch):
