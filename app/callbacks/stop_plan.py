@@ -55,8 +55,6 @@ class StopSignal(Protocol):
     received: int
 
 
-ROLES = ("watchdog", "survivor_save", "preemption")
-
 # (earlier, later, why): the first role's callback must come before the second's in the trainer's callbacks.
 ORDER = (
     (

@@ -113,6 +113,24 @@ def device_count(devices) -> int:
     return len([d for d in text.split(",") if d.strip()]) if "," in text else int(text)
 
 
+def take_launcher_counts(config, devices_given: bool, per_node: int, nodes: int, *errors: str | None) -> None:
+    """A launcher started ``per_node`` processes on each of ``nodes`` nodes: ``config.devices`` left at auto (or set by
+    a config file rather than on the command line: ``devices_given`` false) and ``config.num_nodes`` left at 1 take
+    those numbers (given devices of the right count stay: ``"2,3"``). A given value that disagrees is the error
+    ``errors`` names for it (devices, nodes), said in one line; a nodes error of None lets the launcher's count
+    replace the given one."""
+    from app.errors import UserError
+
+    devices_error, nodes_error = errors
+    if not devices_given or config.devices in ("auto", None, -1, "-1"):
+        config.devices = per_node
+    elif device_count(config.devices) != per_node:
+        raise UserError(devices_error)
+    if config.num_nodes not in (1, None, nodes) and nodes_error is not None:
+        raise UserError(nodes_error)
+    config.num_nodes = nodes
+
+
 def mpi_world_size() -> int:
     """Number of ranks this process was launched with by an MPI launcher (1 when there is none)."""
     ranks = launcher_ranks()

@@ -22,7 +22,7 @@ import time
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.errors import UserError
-from app.launch.launcher import PodJob, device_count
+from app.launch.launcher import PodJob, take_launcher_counts
 
 # A just-created pod's service name can take seconds to appear in the cluster's DNS (Kubeflow's PyTorchJob once ran
 # an init container that waited for it); after this long, a name that still does not resolve is a wrong one.
@@ -41,23 +41,17 @@ def take_pod_numbers(trainer_config, pod: PodJob, devices_given: bool) -> None:
             + ": RANK must be the pod's index, 0 to WORLD_SIZE-1, and WORLD_SIZE and NPROC_PER_NODE whole numbers of "
             "at least 1; fix the job's replicas or these variables"
         )
-    devices = trainer_config.devices
-    if devices_given and devices not in ("auto", None, -1, "-1") and device_count(devices) != per_pod:
-        started = "one process" if per_pod == 1 else f"NPROC_PER_NODE={per_pod} processes"
-        raise UserError(
-            f"--trainer.devices={devices}, but the platform starts {started} in this pod (RANK {pod.index} of "
-            f"WORLD_SIZE {pod.pods}), one device each; drop --trainer.devices, or set NPROC_PER_NODE to the devices "
-            "the pod should use"
-        )
-    nodes = trainer_config.num_nodes
-    if nodes not in (1, None) and nodes != pod.pods:
-        raise UserError(
-            f"--trainer.num_nodes={nodes}, but the platform started {pod.pods} pods (WORLD_SIZE); drop "
-            "--trainer.num_nodes or make the two equal"
-        )
+    started = "one process" if per_pod == 1 else f"NPROC_PER_NODE={per_pod} processes"
+    take_launcher_counts(
+        trainer_config, devices_given, per_pod, pod.pods,
+        f"--trainer.devices={trainer_config.devices}, but the platform starts {started} in this pod (RANK {pod.index} "
+        f"of WORLD_SIZE {pod.pods}), one device each; drop --trainer.devices, or set NPROC_PER_NODE to the devices "
+        "the pod should use",
+        f"--trainer.num_nodes={trainer_config.num_nodes}, but the platform started {pod.pods} pods (WORLD_SIZE); drop "
+        "--trainer.num_nodes or make the two equal",
+    )  # fmt: skip
     address, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
     check_resolves(address, port)
-    trainer_config.devices, trainer_config.num_nodes = per_pod, pod.pods
     os.environ["NODE_RANK"] = str(pod.index)
     if per_pod == 1:
         os.environ["LOCAL_RANK"] = "0"  # the node's one rank, started from outside: Lightning launches nothing

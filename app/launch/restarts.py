@@ -24,7 +24,7 @@ import socket
 from lightning.pytorch.utilities import rank_zero_info
 
 from app.errors import UserError
-from app.launch.launcher import SlurmJob, TorchrunJob, device_count, self_launch_restarts, torchrun_job
+from app.launch.launcher import SlurmJob, TorchrunJob, self_launch_restarts, take_launcher_counts, torchrun_job
 from app.launch.slurm import requeue, requeueable_job, requeued_here
 from app.parallelism import configured_to_start_own_workers
 
@@ -33,24 +33,21 @@ def restarts_possible() -> bool:
     """True when a launcher will start this program again after a failure: torchrun with ``--max-restarts``, the
     horovod strategy's self-launch with restarts left (``--trainer.strategy.max_restarts``), or SLURM, which runs a
     batch job's script again when the job is requeued."""
-    job = torchrun_job()
-    if job is not None and (job.restarts_possible or requeueable_job() is None):
-        return job.restarts_possible
-    if requeueable_job() is not None:
-        return True
-    return self_launch_restarts()[1] > 0
+    return _restarts("restarts_possible")
 
 
 def restarts_left() -> bool:
     """True when a failure of this start will be followed by another (torchrun or the horovod self-launch has a
     restart left, or SLURM requeues the batch job: :func:`restart_after_failure`); what a rank may promise when it
     stops after a failure."""
+    return _restarts("restarts_left")
+
+
+def _restarts(torchrun_says: str) -> bool:
     job = torchrun_job()
-    if job is not None and (job.restarts_left or requeueable_job() is None):
-        return job.restarts_left
-    if requeueable_job() is not None:
-        return True
-    return self_launch_restarts()[1] > 0
+    if job is not None and (getattr(job, torchrun_says) or requeueable_job() is None):
+        return getattr(job, torchrun_says)
+    return requeueable_job() is not None or self_launch_restarts()[1] > 0
 
 
 def restart_after_failure() -> str:
@@ -119,26 +116,17 @@ def take_launcher_numbers(
             f"{job.world_size}; under torchrun use --trainer.strategy=ddp, or run horovod without torchrun (python "
             "cli.py ... starts mpirun itself; docs/strategies.md)"
         )
-    devices = trainer_config.devices
-    if devices in ("auto", None, -1, "-1") or not devices_given:
-        trainer_config.devices = job.local_world_size
-    elif device_count(devices) != job.local_world_size:
-        raise UserError(
-            f"--trainer.devices={devices}, but torchrun started {job.local_world_size} process(es) per node "
-            f"(--nproc_per_node={job.local_world_size}); drop --trainer.devices under torchrun or make the two equal"
-        )
     nodes = trainer_config.num_nodes
-    if nodes in (1, None) or nodes == job.nodes:
-        trainer_config.num_nodes = job.nodes
-    elif continuing:
+    take_launcher_counts(
+        trainer_config, devices_given, job.local_world_size, job.nodes,
+        f"--trainer.devices={trainer_config.devices}, but torchrun started {job.local_world_size} process(es) per node "
+        f"(--nproc_per_node={job.local_world_size}); drop --trainer.devices under torchrun or make the two equal",
+        None if continuing else f"--trainer.num_nodes={nodes}, but torchrun started {job.nodes} node(s) (--nnodes); "
+        "drop --trainer.num_nodes under torchrun or make the two equal",
+    )  # fmt: skip
+    if nodes not in (1, None, job.nodes):  # continuing: the job re-formed without, or with more, nodes
         rank_zero_info(
             f"torchrun re-formed the job with {job.nodes} node(s): --trainer.num_nodes {nodes} -> {job.nodes}"
-        )
-        trainer_config.num_nodes = job.nodes
-    else:
-        raise UserError(
-            f"--trainer.num_nodes={nodes}, but torchrun started {job.nodes} node(s) (--nnodes); drop "
-            "--trainer.num_nodes under torchrun or make the two equal"
         )
 
 

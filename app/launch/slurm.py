@@ -13,7 +13,7 @@ import shutil
 import subprocess
 
 from app.errors import UserError
-from app.launch.launcher import SLURM_WARNING_SIGNAL, SlurmJob, device_count, slurm_job
+from app.launch.launcher import SLURM_WARNING_SIGNAL, SlurmJob, slurm_job, take_launcher_counts
 from app.parallelism import configured_to_start_own_workers
 
 SCONTROL_TIMEOUT_S = 20  # slurmctld answers in milliseconds; a lost controller must not hold up a stopping run
@@ -127,19 +127,10 @@ def take_slurm_numbers(trainer_config, job: SlurmJob, devices_given: bool) -> No
             "tasks; under srun use --trainer.strategy=ddp (one task per device), or run one task per node"
         )
     per_node = job.tasks_per_node or job.tasks // max(job.nodes, 1)
-    devices = trainer_config.devices
-    if devices in ("auto", None, -1, "-1") or not devices_given:
-        trainer_config.devices = per_node
-    elif device_count(devices) != per_node:
-        raise UserError(
-            f"--trainer.devices={devices}, but SLURM starts {per_node} task(s) per node (#SBATCH "
-            f"--ntasks-per-node={per_node}): one task per device, so make the two equal (or drop --trainer.devices)"
-        )
-    nodes = trainer_config.num_nodes
-    if nodes in (1, None) or nodes == job.nodes:
-        trainer_config.num_nodes = job.nodes
-    else:
-        raise UserError(
-            f"--trainer.num_nodes={nodes}, but SLURM job {job.job_id} has {job.nodes} node(s) (#SBATCH "
-            f"--nodes={job.nodes}): make the two equal (or drop --trainer.num_nodes)"
-        )
+    take_launcher_counts(
+        trainer_config, devices_given, per_node, job.nodes,
+        f"--trainer.devices={trainer_config.devices}, but SLURM starts {per_node} task(s) per node (#SBATCH "
+        f"--ntasks-per-node={per_node}): one task per device, so make the two equal (or drop --trainer.devices)",
+        f"--trainer.num_nodes={trainer_config.num_nodes}, but SLURM job {job.job_id} has {job.nodes} node(s) (#SBATCH "
+        f"--nodes={job.nodes}): make the two equal (or drop --trainer.num_nodes)",
+    )  # fmt: skip

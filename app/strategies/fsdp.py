@@ -137,7 +137,7 @@ class FSDPStrategy(SplitModelStrategy):
         """
         super().__init__(
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout,
+            process_group_backend=process_group_backend, timeout=timeout,
         )  # fmt: skip
         for flag, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
             if dtype is not None and dtype not in DType.__args__:

@@ -6,12 +6,10 @@ for training and for evaluation alike (a model that needs splitting to train nee
 from __future__ import annotations
 
 from abc import abstractmethod
-from datetime import timedelta
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed import default_pg_timeout
 from typing_extensions import override
 
 from app.errors import UserError
@@ -19,26 +17,6 @@ from app.errors import UserError
 
 class SplitModelStrategy(DDPStrategy):
     float16_reason = ""  # why 16-mixed cannot work (GradScaler's loss scaling and this strategy's gradients)
-
-    def __init__(
-        self,
-        accelerator=None,
-        parallel_devices=None,
-        cluster_environment=None,
-        checkpoint_io=None,
-        precision_plugin=None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
 
     @override
     def _configure_launcher(self) -> None:  # Lightning calls it when the Trainer is made: before any launch

@@ -121,7 +121,7 @@ class PipelineStrategy(SplitModelStrategy):
         """
         super().__init__(
             accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout,
+            process_group_backend=process_group_backend, timeout=timeout,
         )  # fmt: skip
         check_torch_schedules()
         if stages is not None and stages < 1:
