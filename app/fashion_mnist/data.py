@@ -151,14 +151,6 @@ class FashionMNISTDataModule(LightningDataModule):
     def files(self) -> FashionMNISTFiles:
         return FashionMNISTFiles(self.data_dir, self.hparams.source)
 
-    @property
-    def real_dir(self) -> Path:
-        return self.files.real_dir
-
-    @property
-    def synthetic_dir(self) -> Path:
-        return self.files.synthetic_dir
-
     def _download(self) -> None:
         """torchvision's download; a method of the module so that a test can make it fail (no network)."""
         download(self.data_dir)
@@ -189,9 +181,6 @@ class FashionMNISTDataModule(LightningDataModule):
                 "samples; pass a smaller --data.val_size, or check the files"
             )
 
-    def resolve_source(self) -> str:
-        return self.files.resolve_source()
-
     def load_split(self, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Read and validate one split of the resolved source: ``(uint8 images [N,28,28], int64 labels [N])``."""
         if split in self._loaded:
@@ -201,7 +190,7 @@ class FashionMNISTDataModule(LightningDataModule):
     # ------------------------------------------------------------------ Lightning hooks
     @override
     def setup(self, stage: str) -> None:
-        self.hparams.resolved_source = self.resolve_source()
+        self.hparams.resolved_source = self.files.resolve_source()
         if stage in ("fit", "validate") and self.train_set is None:
             images, labels = self.load_split("train")
             self._check_train_size(len(labels))

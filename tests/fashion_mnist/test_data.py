@@ -137,16 +137,16 @@ def _synthetic_dm(tmp_path, data_dir):
 
 def test_loader_rejects_out_of_range_labels(tmp_path, data_dir):
     dm = _synthetic_dm(tmp_path, data_dir)
-    labels = read_idx(dm.synthetic_dir / "t10k-labels-idx1-ubyte")
+    labels = read_idx(dm.files.synthetic_dir / "t10k-labels-idx1-ubyte")
     labels[5] = 10
-    write_idx(dm.synthetic_dir / "t10k-labels-idx1-ubyte", labels)
+    write_idx(dm.files.synthetic_dir / "t10k-labels-idx1-ubyte", labels)
     with pytest.raises(DataFileError, match=r"t10k-labels-idx1-ubyte: label 10 out of range 0..9"):
         dm.setup("test")
 
 
 def test_loader_rejects_wrong_image_shape(tmp_path, data_dir):
     dm = _synthetic_dm(tmp_path, data_dir)
-    write_idx(dm.synthetic_dir / "t10k-images-idx3-ubyte", torch.zeros(10_000, 32, 32, dtype=torch.uint8))
+    write_idx(dm.files.synthetic_dir / "t10k-images-idx3-ubyte", torch.zeros(10_000, 32, 32, dtype=torch.uint8))
     with pytest.raises(DataFileError, match=r"t10k-images-idx3-ubyte: images are \(32, 32\), expected 28x28"):
         dm.setup("test")
 
@@ -156,8 +156,8 @@ def test_real_files_are_checked_against_known_md5(tmp_path):
     dm = FashionMNISTDataModule(data_dir=str(tmp_path), source="fashion_mnist")
     images, labels = synthetic.generate(10, seed=0)
     for images_file, labels_file, _ in SPLITS.values():
-        write_idx(dm.real_dir / f"{images_file}.gz", images)
-        write_idx(dm.real_dir / f"{labels_file}.gz", labels)
+        write_idx(dm.files.real_dir / f"{images_file}.gz", images)
+        write_idx(dm.files.real_dir / f"{labels_file}.gz", labels)
     dm._download = lambda: pytest.fail("files present: no download attempted")
     with pytest.raises(DataFileError, match=r"train-images-idx3-ubyte.gz: not the published Fashion-MNIST file"):
         dm.prepare_data()  # checked before any run folder exists
@@ -252,8 +252,9 @@ def test_val_size_is_checked_against_the_samples_loaded(tmp_path, data_dir, samp
     images, labels = (
         synthetic.generate(samples, seed=0) if samples else (torch.zeros(0, 28, 28, dtype=torch.uint8),) * 2
     )
-    write_idx(dm.synthetic_dir / "train-images-idx3-ubyte", images)
-    write_idx(dm.synthetic_dir / "train-labels-idx1-ubyte", labels if samples else torch.zeros(0, dtype=torch.uint8))
+    write_idx(dm.files.synthetic_dir / "train-images-idx3-ubyte", images)
+    empty = torch.zeros(0, dtype=torch.uint8)
+    write_idx(dm.files.synthetic_dir / "train-labels-idx1-ubyte", labels if samples else empty)
     dm = FashionMNISTDataModule(data_dir=str(tmp_path / "d"), source="synthetic", val_size=256)
     message = rf"--data.val_size=256: the training files in .* hold only {samples} samples"
     with pytest.raises(UserError, match=message):
@@ -391,7 +392,7 @@ def test_a_folder_that_is_not_the_templates_own_is_never_written(tmp_path, monke
             dm.prepare_data()
         assert f"Using the SYNTHETIC stand-in in {cache} instead" in str(caught[-1].message)
         dm.setup("fit")
-        assert dm.hparams.resolved_source == "synthetic" and dm.synthetic_dir == cache
+        assert dm.hparams.resolved_source == "synthetic" and dm.files.synthetic_dir == cache
         assert _listing(read_only) == before
         FashionMNISTDataModule(data_dir=str(read_only / "new"), source="synthetic").prepare_data()
         assert _listing(read_only) == before and (cache / "GENERATOR").is_file()
@@ -412,7 +413,7 @@ def test_a_folder_that_is_not_the_templates_own_is_never_written(tmp_path, monke
     (tmp_path / "shipped").chmod(0o555)
     try:
         dm = FashionMNISTDataModule(data_dir=str(tmp_path / "shipped"), source="synthetic")
-        assert dm.synthetic_dir == tmp_path / "shipped" / "FashionMNIST-synthetic" / "raw"
+        assert dm.files.synthetic_dir == tmp_path / "shipped" / "FashionMNIST-synthetic" / "raw"
     finally:
         (tmp_path / "shipped").chmod(0o755)
 
