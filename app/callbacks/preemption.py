@@ -157,9 +157,7 @@ class Preemption(Callback):
     def on_test_start(self, trainer, pl_module) -> None:
         self._install_evaluation_stop(trainer)
 
-    @override
-    def on_predict_start(self, trainer, pl_module) -> None:
-        self._install_evaluation_stop(trainer)
+    on_predict_start = on_test_start
 
     @override
     def on_train_start(self, trainer, pl_module) -> None:

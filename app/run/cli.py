@@ -103,7 +103,6 @@ class CLI(CkptPathRule, LightningCLI):
         self._claimed: list[Path] = []
         self._seed_line: HeldRecords | None = None
         self._args = kwargs.get("args")
-        self._optimizer_overrides: dict = {}
         self._loaded: dict[str, dict] = {}  # checkpoints read by the CLI's checks, each read once
         self._resolved: str | None = None  # the file --ckpt_path last/best named when the config was parsed
         self._elastic_ckpt: str | None = None  # the last.ckpt a torchrun restart resumes from

@@ -263,7 +263,6 @@ class CkptPathRule:
 
     _resolved: str | None
     _loaded: dict[str, dict]
-    _optimizer_overrides: dict
 
     def _init_args(self, config, group: str):
         """The ``model`` or ``data`` arguments of a parsed config, whether the class was fixed or named."""
@@ -324,17 +323,18 @@ class CkptPathRule:
                     f"was given; drop the flag (the checkpoint's value is used) or pass another --ckpt_path"
                 )
         taken = {k: v for k, v in saved.items() if k in network or k not in explicit}
+        overrides: dict = {}
         if subcommand == "fit" and "optimizer" in explicit:
-            self._optimizer_overrides = optimizer_overrides(explicit["optimizer"], saved.get("optimizer"), ckpt_path)
+            overrides = optimizer_overrides(explicit["optimizer"], saved.get("optimizer"), ckpt_path)
             if isinstance(saved.get("optimizer"), dict):  # the restored optimizer, with the given arguments over it
-                init_args = {**saved["optimizer"].get("init_args", {}), **self._optimizer_overrides}
+                init_args = {**saved["optimizer"].get("init_args", {}), **overrides}
                 taken["optimizer"] = {**saved["optimizer"], "init_args": init_args}
         notes = [
             f"--model.{k}={explicit[k]}"
             for k in sorted(explicit)
             if k not in (*network, "optimizer") and k in saved and changed(explicit[k], saved[k])
         ]
-        notes += [f"--model.optimizer.{k}={v}" for k, v in self._optimizer_overrides.items()]
+        notes += [f"--model.optimizer.{k}={v}" for k, v in overrides.items()]
         return taken, notes
 
     def _settings(self, subcommand: str) -> dict | None:

@@ -16,8 +16,6 @@ before the restore (:func:`app.lightning_internals.apply_loader_position`).
 """
 
 from app.callbacks.elastic.callback import Elastic
-from app.callbacks.elastic.failure import say
-from app.callbacks.elastic.metrics import METRICS_ROWS_TO_KEEP, keep_metrics_rows
 from app.callbacks.elastic.run_folder import ElasticRunFolder
 
-__all__ = ["METRICS_ROWS_TO_KEEP", "Elastic", "ElasticRunFolder", "keep_metrics_rows", "say"]
+__all__ = ["Elastic", "ElasticRunFolder"]

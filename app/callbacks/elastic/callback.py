@@ -36,15 +36,6 @@ class Elastic(Callback):
         self.metrics = MetricsContinuation()
         self.failure = SaveOnFailure(self.metrics)
 
-    @property
-    def started_as(self) -> dict | None:
-        """The run's first shape, for a restart that has no state to resume from (ElasticRunFolder finds it)."""
-        return self.world.started_as
-
-    @started_as.setter
-    def started_as(self, shape: dict | None) -> None:
-        self.world.started_as = shape
-
     # ---------------------------------------------------------------- the run's shape, saved and restored
     @override
     def state_dict(self) -> dict:
@@ -78,7 +69,7 @@ class Elastic(Callback):
     @override
     def on_fit_start(self, trainer, pl_module) -> None:
         if (first_shape := stop_plan(trainer).first_shape) is not None:  # after every callback's setup
-            self.started_as = first_shape
+            self.world.started_as = first_shape  # for a restart that has no state to resume from
         self.world.fit_start(trainer, self._restored)
 
     @override

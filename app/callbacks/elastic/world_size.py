@@ -29,11 +29,6 @@ from app.parallelism import parallelism
 BATCH_COUNTS = ("limit_train_batches", "limit_val_batches", "val_check_interval")
 
 
-def devices_per_process(trainer) -> int:
-    """The devices of one data-parallel slice: dp's devices, a pipeline's stages, else 1."""
-    return devices_per_batch(trainer.strategy)
-
-
 def train_loader(trainer):
     loader = trainer.train_dataloader
     while isinstance(loader, list | tuple) and loader:
@@ -76,7 +71,7 @@ class WorldSizeChange:
 
     def fit_start(self, trainer, restored: dict | None) -> None:
         """Before the loops read them: batch counts given for another world size are rescaled to this one."""
-        devices = data_parallel_size(trainer) * devices_per_process(trainer)
+        devices = data_parallel_size(trainer) * devices_per_batch(trainer.strategy)
         given = {name: getattr(trainer, name) for name in BATCH_COUNTS}
         counts = (restored or self.started_as or {}).get("counts")
         if counts and counts.get("given") == given and counts["devices"] != devices:
@@ -94,8 +89,8 @@ class WorldSizeChange:
         if not isinstance(loader, TEMPLATE_LOADERS):
             self._warn_own_loader(trainer, loader, restartable)
             return False
-        devices = data_parallel_size(trainer) * devices_per_process(trainer)
-        device_batch = loader.batch_size // devices_per_process(trainer)
+        devices = data_parallel_size(trainer) * devices_per_batch(trainer.strategy)
+        device_batch = loader.batch_size // devices_per_batch(trainer.strategy)
         given = {"devices": devices, "device_batch": device_batch, "accumulate": trainer.accumulate_grad_batches}
         # resumed from a checkpoint: also one taken at an epoch's end, which the fit loop does not count as restarting
         resumed = restored if trainer.ckpt_path is not None else None
@@ -136,7 +131,7 @@ class WorldSizeChange:
         if restartable or is_restart():
             void.append("a restart after a lost node or rank changes neither the order nor the global batch")
         if parallelism(trainer.strategy).devices_per_process > 1:
-            void.append(f"dp splits each of its batches over {devices_per_process(trainer)} devices")
+            void.append(f"dp splits each of its batches over {devices_per_batch(trainer.strategy)} devices")
         if void:
             warnings.warn(
                 f"{name}'s training loader is not app.loader.make_loader's: {'; '.join(void)} (docs/fork.md)",

@@ -28,7 +28,7 @@ from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
-from app.checkpoints.atomic import atomic_write
+from app.checkpoints.atomic import atomic_write, write_text
 from app.checkpoints.generators import generator_states
 from app.checkpoints.run_folders import keep_metrics_for_restart
 from app.checkpoints.saved_state import MPI_LAUNCH_DIR, SAVED_STATE, saved_states
@@ -135,10 +135,6 @@ class MPILaunchEnvironment(ClusterEnvironment):
     @override
     def node_rank(self) -> int:
         return self._rank // self._local_size
-
-    @property
-    def local_size(self) -> int:
-        return self._local_size
 
 
 def find_mpirun() -> str:
@@ -280,7 +276,7 @@ class MPIRunLauncher(ResultsLauncher):
             pids=lambda: rank_pids(workdir),
             cleanup=lambda: end_leftover_ranks(workdir),
             ranks_running=lambda: launch_running(workdir),
-            started=lambda pid: write_mpirun_pid(workdir, pid),
+            started=lambda pid: write_text(workdir / MPIRUN_PID, str(pid)),  # whole or absent: the reaper reads it
         )
         if not signum and (workdir / PREEMPTED).exists():  # the ranks were signalled directly
             signum = int((workdir / PREEMPTED).read_text())
@@ -399,13 +395,6 @@ def start_reaper(workdir: Path) -> subprocess.Popen:
         start_new_session=True,
         close_fds=True,
     )
-
-
-def write_mpirun_pid(workdir: Path, pid: int) -> None:
-    """``MPIRUN_PID`` in the launch folder, whole or not at all (the reaper reads it)."""
-    partial = workdir / f"{MPIRUN_PID}.partial"
-    partial.write_text(str(pid))
-    partial.replace(workdir / MPIRUN_PID)
 
 
 def stop_reaper(reaper: subprocess.Popen) -> None:
