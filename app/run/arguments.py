@@ -16,6 +16,7 @@ import inspect
 import math
 import re
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -292,6 +293,15 @@ def _holds(data: object, keys: list[str]) -> bool:
     return isinstance(data, dict) and keys[0] in data and _holds(data[keys[0]], keys[1:])
 
 
+def flag_values(argv: list[str], flag: str) -> Iterator[tuple[int, int, str]]:
+    """``(i, at, value)`` for each ``flag=value`` (``at == i``) or ``flag value`` (``at == i + 1``) in ``argv``."""
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"{flag}="):
+            yield i, i, arg.split("=", 1)[1]
+        elif arg == flag and i + 1 < len(argv):
+            yield i, i + 1, argv[i + 1]
+
+
 def strategy_options_by_name(argv: list[str]) -> list[str]:
     """``--trainer.strategy=horovod --trainer.strategy.op=adasum`` works: jsonargparse takes a strategy's options
     only after its class path, so a registered name followed by options is replaced by its class path (and the
@@ -301,13 +311,7 @@ def strategy_options_by_name(argv: list[str]) -> list[str]:
     from lightning.pytorch.strategies import StrategyRegistry
 
     out = list(argv)
-    for i, arg in enumerate(argv):
-        if arg.startswith("--trainer.strategy="):
-            at, name = i, arg.split("=", 1)[1]
-        elif arg == "--trainer.strategy" and i + 1 < len(argv):
-            at, name = i + 1, argv[i + 1]
-        else:
-            continue
+    for i, at, name in flag_values(argv, "--trainer.strategy"):
         # the registry's .get() builds the strategy; the entry itself is what is wanted here
         entry = StrategyRegistry[name] if name in StrategyRegistry else None  # noqa: SIM401
         presets = entry["init_params"] if entry else {}
@@ -360,13 +364,7 @@ def timeout_in_seconds(argv: list[str]) -> list[str]:
     ``ModelCheckpoint(train_time_interval=...)``), and its failures come back as jsonargparse's multi-line
     "Not of type timedelta" error rather than this one line."""
     out = list(argv)
-    for i, arg in enumerate(argv):
-        if arg.startswith(f"{TIMEOUT_FLAG}="):
-            at, value = i, arg.split("=", 1)[1]
-        elif arg == TIMEOUT_FLAG and i + 1 < len(argv):
-            at, value = i + 1, argv[i + 1]
-        else:
-            continue
+    for i, at, value in flag_values(argv, TIMEOUT_FLAG):
         try:
             seconds = float(value)
         except ValueError:

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from app.errors import UserError
 from app.launch.launcher import mpi_world_size
 from app.parallelism import configured_to_start_own_workers, parallelism
-from app.run.arguments import Parser
+from app.run.arguments import Parser, flag_values
 from app.task import import_class
 
 # The template's strategies, in the order of the README's table; every other registered name is Lightning's.
@@ -138,15 +138,9 @@ def init_parameters(cls: type) -> list[str] | None:
 def named_classes(argv: list[str], group: str) -> list[str]:
     """The class paths (or names) that the command line or its ``--config`` files give the ``group`` (``--model=
     pkg.Class``, ``--model.class_path``, a YAML ``model: {class_path: ...}``); ``"?"`` for one inside inline YAML."""
-    flag, found = f"--{group}", []
-    for i, arg in enumerate(argv):
-        following = argv[i + 1] if i + 1 < len(argv) else None
-        if arg.startswith(f"{flag}.class_path="):
-            found.append(arg.split("=", 1)[1])
-        elif arg == f"{flag}.class_path" and following is not None:
-            found.append(following)
-        value = arg[len(flag) + 1 :] if arg.startswith(f"{flag}=") else following if arg == flag else None
-        found += _class_in_value(value) if value is not None else []
+    found = [value for _, _, value in flag_values(argv, f"--{group}.class_path")]
+    for _, _, value in flag_values(argv, f"--{group}"):
+        found += _class_in_value(value)
     return found + _classes_in_config_files(group)
 
 
