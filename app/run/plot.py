@@ -54,22 +54,20 @@ def run_chain(run_dir: Path) -> list[Path]:
     A resumed run logs to a folder of its own; its ``config.yaml`` records the checkpoint it started from, and a
     checkpoint in ``version_N/checkpoints/`` belongs to the run in ``version_N``.
     """
-    import yaml
-
     chain = [run_dir]
     while True:
-        try:
-            config = yaml.safe_load((chain[0] / "config.yaml").read_text()) or {}
-        except (OSError, yaml.YAMLError, UnicodeDecodeError):
-            break
-        ckpt = config.get("ckpt_path") if isinstance(config, dict) else None
-        if not isinstance(ckpt, str) or ckpt.startswith(REMOTE_PREFIXES):
-            break
-        earlier = run_path(ckpt).parent.parent
-        if run_path(ckpt).parent.name != "checkpoints" or not (earlier / "metrics.csv").is_file() or earlier in chain:
-            break
+        ckpt = _yaml_of(chain[0] / "config.yaml").get("ckpt_path")
+        earlier = None if isinstance(ckpt, str) and ckpt.startswith(REMOTE_PREFIXES) else _owner(ckpt)
+        if earlier is None or not (earlier / "metrics.csv").is_file() or earlier in chain:
+            return chain
         chain.insert(0, earlier)
-    return chain
+
+
+def _owner(ckpt) -> Path | None:
+    """The run folder of a checkpoint in its ``version_N/checkpoints/``; None for another path, or no path."""
+    if not isinstance(ckpt, str) or run_path(ckpt).parent.name != "checkpoints":
+        return None
+    return run_path(ckpt).parent.parent
 
 
 def run_rows(run_dir: Path) -> list[tuple[Path, dict[str, str]]]:
@@ -206,10 +204,8 @@ def _tested_checkpoint(folder: Path, run_dir: Path) -> Path | None:
     if not (folder / "config.yaml").is_file() or not (folder / "metrics.csv").is_file():
         return None
     ckpt = _yaml_of(folder / "config.yaml").get("ckpt_path")
-    if not isinstance(ckpt, str) or run_path(ckpt).parent.name != "checkpoints":
-        return None
-    owner = run_path(ckpt).parent.parent
-    if owner.is_absolute() and owner.resolve() != run_dir.resolve() or owner.name != run_dir.name:
+    owner = _owner(ckpt)
+    if owner is None or owner.is_absolute() and owner.resolve() != run_dir.resolve() or owner.name != run_dir.name:
         return None
     return run_path(ckpt)
 
@@ -253,8 +249,7 @@ def _refuse_a_test_run(run_dir: Path) -> None:
     if not names or not all(name.startswith("test/") for name in names):
         return
     ckpt = _yaml_of(run_dir / "config.yaml").get("ckpt_path")
-    if isinstance(ckpt, str) and run_path(ckpt).parent.name == "checkpoints":
-        owner = run_path(ckpt).parent.parent
+    if (owner := _owner(ckpt)) is not None:
         raise UserError(
             f"{run_dir} holds a `cli.py test` of {ckpt}, not a training run: plot the run that trained it, "
             f"`cli.py plot {owner}` (its figure marks this score)"
